@@ -1,0 +1,23 @@
+"""User-facing errors.
+
+Anything a user can cause (a bad flag, a malformed study file, an unknown variant, a
+missing dataset) raises :class:`ModbenchError` with one line that names the problem and
+the accepted values. The CLI prints that line and exits with code 2; programming errors
+keep their tracebacks.
+"""
+
+from __future__ import annotations
+
+
+class ModbenchError(Exception):
+    """A mistake in user input; its message is one line, shown without a traceback."""
+
+    exit_code = 2
+
+
+def accepted(values) -> str:
+    """Render accepted values for an error message: ``'a', 'b' or 'c'``."""
+    items = [repr(v) if isinstance(v, str) else str(v) for v in values]
+    if len(items) <= 1:
+        return "".join(items)
+    return ", ".join(items[:-1]) + " or " + items[-1]

@@ -1,0 +1,216 @@
+"""Correctness of routed layers, swept over every registered variant (like timm's tests)."""
+
+import pytest
+import torch
+
+import variants
+from harness.capacity import CapacitySchedule
+from harness.config import ModelConfig, RoutingConfig
+from harness.errors import ModbenchError
+from harness.model import GPT, RoutedBlock
+
+ALL = variants.list_variants()
+ROUTED = [v for v in ALL if variants.get_variant(v).build(8).scope != "none"]
+CFG = ModelConfig(depth=3, n_embd=64, head_dim=16, max_seq_len=64)
+B, T = 3, 48
+
+
+def routed_block(name: str, capacity: float = 0.25, seed: int = 0) -> RoutedBlock:
+    torch.manual_seed(seed)
+    router = variants.build_router(name, CFG.width)
+    block = RoutedBlock(CFG, router, CapacitySchedule(capacity, max_seq_len=CFG.max_seq_len))
+    # Give learned scorers a non-trivial spread so the selection is not decided by ties.
+    for p in router.parameters():
+        torch.nn.init.normal_(p, std=0.5) if p.dim() > 0 else None
+    return block.train()
+
+
+def rope():
+    m = GPT(CFG)
+    return m.rope_cos, m.rope_sin
+
+
+def run(block, x, seed=1):
+    cos, sin = rope()
+    torch.manual_seed(seed)
+    return block(x, cos, sin)
+
+
+def reference_input(x, block):
+    """What unselected tokens must equal: x itself, or x + attention for mlp_skip."""
+    if block.router.scope == "mlp":
+        cos, sin = rope()
+        with torch.no_grad():
+            return x + block.block.attn(block.block.norm1(x), cos[:T], sin[:T])
+    return x
+
+
+def test_sweep_covers_all_routed_variants():
+    assert {"norm", "linear_softmax", "sigmoid", "learned_temperature", "mlp_skip", "random"} <= set(ROUTED)
+
+
+@pytest.mark.parametrize("name", ROUTED)
+def test_processed_count_is_k_and_unselected_tokens_are_bit_identical(name):
+    block = routed_block(name)
+    x = torch.randn(B, T, CFG.width)
+    with torch.no_grad():
+        out = run(block, x).x
+        torch.manual_seed(1)
+        r = block.router.route(reference_input(x, block), block.capacity.k(T))
+    k = block.capacity.k(T)
+    assert k == 12 and r.index.shape == (B, k)
+    base = reference_input(x, block)
+    changed = (out != base).any(-1)
+    selected = torch.zeros(B, T, dtype=torch.bool).scatter_(1, r.index, True)
+    assert torch.equal(out[~selected], base[~selected])  # bit-identical, not allclose
+    assert torch.equal(changed, selected)  # exactly the k selected tokens were written
+    assert changed.sum(-1).tolist() == [k] * B
+
+
+@pytest.mark.parametrize("name", ROUTED)
+def test_indices_ascending_and_equal_to_topk_of_the_score(name):
+    block = routed_block(name)
+    x = torch.randn(B, T, CFG.width)
+    k = block.capacity.k(T)
+    with torch.no_grad():
+        torch.manual_seed(3)
+        r = block.router.route(x, k)
+        torch.manual_seed(3)
+        scores = block.router.score(x)
+    assert (r.index[:, 1:] > r.index[:, :-1]).all()
+    expected = torch.topk(scores, k, dim=-1).indices.sort(-1).values
+    assert torch.equal(r.index, expected)
+
+
+@pytest.mark.parametrize("name", ROUTED)
+def test_routed_block_equals_dense_block_on_the_subset_at_original_positions(name):
+    block = routed_block(name)
+    x = torch.randn(B, T, CFG.width)
+    cos, sin = rope()
+    with torch.no_grad():
+        out = run(block, x).x
+        base = reference_input(x, block)
+        torch.manual_seed(1)
+        r = block.router.route(base, block.capacity.k(T))
+        idx = r.index
+        sub = torch.stack([base[b, idx[b]] for b in range(B)])  # loop on purpose: independent of the gather
+        if block.router.scope == "mlp":
+            delta = block.block.mlp(block.block.norm2(sub))
+        else:
+            c = torch.stack([cos[idx[b]] for b in range(B)]).unsqueeze(1)
+            s = torch.stack([sin[idx[b]] for b in range(B)]).unsqueeze(1)
+            delta = block.block.delta(sub, c, s)  # a dense block on the subset, original positions
+        if r.weight is not None:
+            delta = delta * r.weight
+        got = torch.stack([out[b, idx[b]] for b in range(B)])
+    torch.testing.assert_close(got, sub + delta, rtol=1e-5, atol=1e-6)
+
+
+def test_routed_attention_uses_original_positions_not_subset_positions():
+    block = routed_block("norm")
+    x = torch.randn(B, T, CFG.width)
+    cos, sin = rope()
+    with torch.no_grad():
+        out = run(block, x).x
+        r = block.router.route(x, block.capacity.k(T))
+        idx = r.index
+        sub = torch.stack([x[b, idx[b]] for b in range(B)])
+        k = idx.shape[1]
+        wrong = sub + block.block.delta(sub, cos[:k], sin[:k])  # positions 0..k-1
+        got = torch.stack([out[b, idx[b]] for b in range(B)])
+    assert not torch.allclose(got, wrong, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_model_forward_backward_reaches_every_parameter(name):
+    torch.manual_seed(0)
+    m = GPT(CFG, RoutingConfig(name, capacity=0.25, pattern="alternate"))
+    idx = torch.randint(0, 256, (B, T))
+    out = m(idx, idx)
+    assert out.logits.shape == (B, T, 256)
+    assert torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
+    aux = m.weighted_aux_loss(out.aux_losses, step=10**6)
+    total = out.loss + (aux if aux is not None else 0.0)
+    total.backward()
+    missing = [n for n, p in m.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert missing == []
+    if name != "dense":
+        assert m.routers, "a routed variant built no router"
+    n_router_params = sum(p.numel() for r in m.routers for p in r.parameters())
+    if name in ("norm", "random", "dense"):
+        assert n_router_params == 0
+    else:
+        assert n_router_params > 0
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_capacity_one_is_exactly_the_dense_model(name):
+    idx = torch.randint(0, 256, (2, 40))
+    torch.manual_seed(7)
+    dense = GPT(CFG, RoutingConfig("dense", capacity=1.0))
+    torch.manual_seed(7)
+    full = GPT(CFG, RoutingConfig(name, capacity=1.0, pattern="all"))
+    assert full.routers == []
+    assert torch.equal(dense(idx).logits, full(idx).logits)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_same_seed_same_output(name):
+    idx = torch.randint(0, 256, (2, 40))
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        m = GPT(CFG, RoutingConfig(name, capacity=0.3))
+        torch.manual_seed(12)
+        outs.append(m(idx, idx))
+    assert torch.equal(outs[0].logits, outs[1].logits)
+    assert torch.equal(outs[0].loss, outs[1].loss)
+
+
+@pytest.mark.parametrize("name", ROUTED)
+def test_routing_stats_are_detached_and_sane(name):
+    torch.manual_seed(0)
+    m = GPT(CFG, RoutingConfig(name, capacity=0.25, pattern="all"))
+    m.set_collect_stats(True)
+    out = m(torch.randint(0, 256, (B, T)))
+    assert len(out.stats) == CFG.layers
+    for s in out.stats:
+        assert s["fraction"].item() == pytest.approx(12 / 48)
+        assert 0.0 <= s["mean_position"].item() <= 1.0
+        assert 0.0 <= s["score_entropy"].item() <= 1.0 + 1e-6
+        assert s["position_hist"].sum().item() == pytest.approx(1.0)
+        assert not any(v.requires_grad for v in s.values())
+
+
+@pytest.mark.parametrize("name", ROUTED)
+def test_decide_causal_is_per_token(name):
+    """decide_causal must use only the token's own state: permuting tokens permutes decisions."""
+    block = routed_block(name)
+    x = torch.randn(B, T, CFG.width)
+    with torch.no_grad():
+        block.train()
+        block.router.route(x, 12)  # lets calibrating routers observe one batch
+        block.eval()
+        perm = torch.randperm(T)
+        torch.manual_seed(5)
+        a = block.router.decide_causal(x)
+        torch.manual_seed(5)
+        b = block.router.decide_causal(x[:, perm])
+    assert a.shape == (B, T) and a.dtype == torch.bool
+    if name != "random":
+        assert torch.equal(a[:, perm], b)
+
+
+def test_sequence_longer_than_model_is_a_clear_error():
+    m = GPT(CFG)
+    with pytest.raises(ModbenchError, match="exceeds the model's max_seq_len 64"):
+        m(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_bad_routing_inputs_are_clear_errors():
+    with pytest.raises(ModbenchError, match=r"\(0, 1\]"):
+        GPT(CFG, RoutingConfig("norm", capacity=1.5))
+    with pytest.raises(ModbenchError, match="unknown variant"):
+        GPT(CFG, RoutingConfig("nrom", capacity=0.5))
+    with pytest.raises(ModbenchError, match="layer pattern"):
+        GPT(CFG, RoutingConfig("norm", capacity=0.5, pattern="alternating"))

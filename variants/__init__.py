@@ -1,0 +1,33 @@
+"""Routing variants for Mixture-of-Depths, and their registry.
+
+Built in: ``norm``, ``linear_softmax``, ``sigmoid``, ``learned_temperature``, ``mlp_skip``,
+``dense`` and ``random``. Add your own with ``@register_variant`` (see README).
+"""
+
+from .base import QuantileThreshold, Router, Routing, VariantConfig, linear_ramp, topk_membership
+from .registry import (
+    ENTRY_POINT_GROUP,
+    VariantSpec,
+    build_router,
+    get_variant,
+    list_variants,
+    register_variant,
+)
+
+# Importing the modules registers the built-in variants.
+from . import controls, learned_temperature, linear_softmax, mlp_skip, norm, sigmoid  # noqa: E402,F401
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "QuantileThreshold",
+    "Router",
+    "Routing",
+    "VariantConfig",
+    "VariantSpec",
+    "build_router",
+    "get_variant",
+    "linear_ramp",
+    "list_variants",
+    "register_variant",
+    "topk_membership",
+]

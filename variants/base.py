@@ -1,0 +1,161 @@
+"""The contract between the model and a routing variant.
+
+A variant decides *which* tokens a routed layer processes and *how* the block's output is
+mixed back; the model (``harness.model.RoutedBlock``) executes. Expert-choice routing as in
+Raposo et al. 2024 (arXiv:2404.02258, §3.3): each routed layer keeps the top-k tokens of a
+per-token score, k = capacity · T, and the selected positions are sorted ascending so that a
+causal mask on the gathered subset is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+Scope = Literal["block", "mlp", "none"]
+
+
+@dataclass(frozen=True)
+class VariantConfig:
+    """Base of every variant's hyper-parameter config (frozen, flat, loggable)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One routed layer's decision for a batch.
+
+    index:      (B, k) int64 positions to process, ascending (keeps causality).
+    weight:     (B, k, 1) multiplier on the block's delta, or None for an unweighted add.
+    aux_losses: unweighted auxiliary losses by name (weights come from the variant config
+                through ``Router.aux_weights``, so every variant adds them the same way).
+    stats:      detached statistics for logging; empty unless the model asked for them.
+    """
+
+    index: Tensor
+    weight: Tensor | None
+    aux_losses: dict[str, Tensor]
+    stats: dict[str, Tensor]
+
+
+class QuantileThreshold(nn.Module):
+    """Running estimate of the k-th largest score, the causal stand-in for top-k.
+
+    At decode time a token cannot see the scores of later tokens, so top-k is unavailable;
+    thresholding at the training-time k-th score selects about the same fraction of tokens
+    using only the token's own score. The estimate is an exponential moving average of the
+    per-sequence k-th score, updated in training forwards (no gradient, no host sync).
+    """
+
+    def __init__(self, momentum: float = 0.01) -> None:
+        super().__init__()
+        self.momentum = momentum
+        self.register_buffer("value", torch.zeros(()))
+        self.register_buffer("count", torch.zeros(()))
+
+    @torch.no_grad()
+    def update(self, kth_scores: Tensor) -> None:
+        # The first observations get weight 1/n so the estimate is unbiased from the start.
+        self.count.add_(1)
+        rate = torch.clamp(1.0 / self.count, min=self.momentum)
+        self.value.lerp_(kth_scores.float().mean(), rate)
+
+    def forward(self, scores: Tensor) -> Tensor:
+        return scores >= self.value
+
+
+class Router(nn.Module):
+    """Base class of all routers.
+
+    Subclasses set ``scope`` and implement ``score`` (a (B, T) tensor whose top-k is the
+    selection) and ``decide_causal``; they may override ``mix_weight`` (how the delta is
+    weighted), ``aux_losses`` and ``observe`` (per-forward bookkeeping such as calibration).
+    """
+
+    scope: ClassVar[Scope] = "block"
+
+    def __init__(self, config: VariantConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.collect_stats = False
+
+    # --- the hooks a variant implements -------------------------------------------------
+    def score(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def mix_weight(self, selected_scores: Tensor, scores: Tensor) -> Tensor | None:
+        return None
+
+    def aux_losses(self, x: Tensor, scores: Tensor, index: Tensor) -> dict[str, Tensor]:
+        return {}
+
+    def aux_weights(self, step: int) -> dict[str, float]:
+        """Weight of each auxiliary loss at a training step (warm-up lives here)."""
+        return {}
+
+    def observe(self, scores: Tensor, topk_values: Tensor) -> None:
+        """Called on training forwards with the scores and the selected scores."""
+
+    def decide_causal(self, x: Tensor) -> Tensor:
+        """(B, T) bool: process this token? Uses only the token's own hidden state."""
+        raise NotImplementedError
+
+    def flops_per_token(self, d_model: int) -> tuple[float, float]:
+        """(forward, backward) FLOPs per token of scoring, incl. auxiliary predictors."""
+        return 0.0, 0.0
+
+    # --- the template every variant shares ----------------------------------------------
+    def route(self, x: Tensor, k: int) -> Routing:
+        scores = self.score(x)
+        values, top = torch.topk(scores, k, dim=-1, sorted=False)
+        index, order = torch.sort(top, dim=-1)
+        selected = values.gather(-1, order)
+        if self.training:
+            self.observe(scores, values)
+        weight = self.mix_weight(selected, scores)
+        if weight is not None:
+            weight = weight.unsqueeze(-1)
+        aux = self.aux_losses(x, scores, index) if self.training else {}
+        stats = self.routing_stats(scores, index) if self.collect_stats else {}
+        return Routing(index=index, weight=weight, aux_losses=aux, stats=stats)
+
+    @torch.no_grad()
+    def routing_stats(self, scores: Tensor, index: Tensor, n_buckets: int = 8) -> dict[str, Tensor]:
+        T = scores.shape[-1]
+        s = scores.detach().float()
+        # Entropy of softmax(scores) over the sequence, normalised by log T: 1 = flat scores.
+        p = F.softmax(s - s.amax(-1, keepdim=True), dim=-1)
+        entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean() / math.log(max(T, 2))
+        buckets = torch.div(index * n_buckets, T, rounding_mode="floor").flatten()
+        hist = torch.bincount(buckets, minlength=n_buckets).float() / buckets.numel()
+        return {
+            "fraction": torch.tensor(index.shape[-1] / T),
+            "mean_position": index.float().mean() / max(T - 1, 1),
+            "score_entropy": entropy,
+            "score_mean": s.mean(),
+            "score_std": s.std(),
+            "position_hist": hist,
+        }
+
+
+def topk_membership(scores: Tensor, index: Tensor) -> Tensor:
+    """(B, T) float 0/1 target: was this position among the top-k?"""
+    return torch.zeros_like(scores).scatter_(-1, index, 1.0)
+
+
+def linear_ramp(step: int, warmup_steps: int) -> float:
+    """0 → 1 over ``warmup_steps`` training steps (1 immediately when warmup is 0)."""
+    if warmup_steps <= 0:
+        return 1.0
+    return min(1.0, max(step, 0) / warmup_steps)

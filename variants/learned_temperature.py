@@ -1,0 +1,87 @@
+"""``learned_temperature``: sigmoid routing with a learnable temperature and regularisers.
+
+Source: seed 003 (MoD v2): p = sigmoid(r / τ) with τ a learnable scalar clamped to
+[τ_min, τ_max] = [0.1, 5] (initialised at 2), an entropy regulariser that rewards uncertain
+routing probabilities (seed 003 maximises the binary entropy to prevent collapse) and a
+balance loss (mean p − capacity)² that keeps the soft processing rate at the capacity. Both
+losses ramp in linearly over ``aux_warmup_steps`` (seed 003's progressive schedule). Unlike
+seed 003, selection is a real top-k, so the compute saving is real. Causal rule: threshold
+at the running k-th-largest logit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .base import QuantileThreshold, Router, VariantConfig, linear_ramp
+from .linear_router import LinearScorer
+from .registry import register_variant
+
+
+@dataclass(frozen=True)
+class LearnedTemperatureConfig(VariantConfig):
+    temperature_init: float = 2.0
+    temperature_min: float = 0.1
+    temperature_max: float = 5.0
+    entropy_weight: float = 0.01
+    balance_weight: float = 0.01
+    aux_warmup_steps: int = 500
+    calibration_momentum: float = 0.01
+
+    def __post_init__(self) -> None:
+        if not 0 < self.temperature_min <= self.temperature_init <= self.temperature_max:
+            raise ValueError(
+                "need 0 < temperature_min <= temperature_init <= temperature_max, got "
+                f"{self.temperature_min}, {self.temperature_init}, {self.temperature_max}"
+            )
+        if self.entropy_weight < 0 or self.balance_weight < 0 or self.aux_warmup_steps < 0:
+            raise ValueError("entropy_weight, balance_weight and aux_warmup_steps must be >= 0")
+
+
+class LearnedTemperatureRouter(Router):
+    scope = "block"
+
+    def __init__(self, d_model: int, config: LearnedTemperatureConfig) -> None:
+        super().__init__(config)
+        self.scorer = LinearScorer(d_model)
+        self.temperature = nn.Parameter(torch.tensor(float(config.temperature_init)))
+        self.threshold = QuantileThreshold(config.calibration_momentum)
+
+    def tau(self) -> Tensor:
+        return self.temperature.clamp(self.config.temperature_min, self.config.temperature_max)
+
+    def score(self, x: Tensor) -> Tensor:
+        # top-k of r equals top-k of sigmoid(r/τ) since τ > 0; the raw logit is the score.
+        return self.scorer(x)
+
+    def mix_weight(self, selected_scores: Tensor, scores: Tensor) -> Tensor:
+        return torch.sigmoid(selected_scores / self.tau())
+
+    def aux_losses(self, x: Tensor, scores: Tensor, index: Tensor) -> dict[str, Tensor]:
+        p = torch.sigmoid(scores / self.tau())
+        eps = 1e-6
+        entropy = -(p * torch.log(p + eps) + (1 - p) * torch.log(1 - p + eps)).mean()
+        target = index.shape[-1] / scores.shape[-1]
+        return {"entropy": -entropy, "balance": (p.mean() - target) ** 2}
+
+    def aux_weights(self, step: int) -> dict[str, float]:
+        ramp = linear_ramp(step, self.config.aux_warmup_steps)
+        return {"entropy": ramp * self.config.entropy_weight, "balance": ramp * self.config.balance_weight}
+
+    def observe(self, scores: Tensor, topk_values: Tensor) -> None:
+        self.threshold.update(topk_values.amin(-1))
+
+    def decide_causal(self, x: Tensor) -> Tensor:
+        return self.threshold(self.score(x))
+
+    def flops_per_token(self, d_model: int) -> tuple[float, float]:
+        return LinearScorer.flops(d_model)
+
+
+@register_variant("learned_temperature", config=LearnedTemperatureConfig, source="seed 003 (MoD v2 router, entropy + balance losses)")
+def build_learned_temperature(d_model: int, config: LearnedTemperatureConfig) -> LearnedTemperatureRouter:
+    """Linear router; delta × sigmoid(r/τ), τ learned in [0.1, 5]; entropy + balance losses."""
+    return LearnedTemperatureRouter(d_model, config)

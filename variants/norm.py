@@ -1,0 +1,52 @@
+"""``norm``: parameter-free routing by the L2 norm of the residual stream.
+
+Source: seed 000 (nanochat's MoD, ``Block.forward_mod``): score = ‖x‖₂ per token, top-k,
+sorted positions, no weighting of the block's output. With no weight the router gets no
+gradient; the selection is whatever the norms are. Causal rule: threshold at the running
+k-th-largest norm seen in training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .base import QuantileThreshold, Router, VariantConfig
+from .registry import register_variant
+
+
+@dataclass(frozen=True)
+class NormConfig(VariantConfig):
+    calibration_momentum: float = 0.01  # EMA rate of the causal threshold
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.calibration_momentum <= 1.0:
+            raise ValueError(f"calibration_momentum must be in (0, 1], got {self.calibration_momentum}")
+
+
+class NormRouter(Router):
+    scope = "block"
+
+    def __init__(self, config: NormConfig) -> None:
+        super().__init__(config)
+        self.threshold = QuantileThreshold(config.calibration_momentum)
+
+    def score(self, x: Tensor) -> Tensor:
+        return torch.linalg.vector_norm(x, dim=-1)
+
+    def observe(self, scores: Tensor, topk_values: Tensor) -> None:
+        self.threshold.update(topk_values.amin(-1))
+
+    def decide_causal(self, x: Tensor) -> Tensor:
+        return self.threshold(self.score(x))
+
+    def flops_per_token(self, d_model: int) -> tuple[float, float]:
+        return 2.0 * d_model, 0.0  # square and sum; the norm carries no gradient to the LM
+
+
+@register_variant("norm", config=NormConfig, source="seed 000 (nanochat Block.forward_mod)")
+def build_norm(d_model: int, config: NormConfig) -> NormRouter:
+    """Parameter-free: score = L2 norm of the residual stream, top-k, unweighted."""
+    return NormRouter(config)

@@ -1,0 +1,102 @@
+"""Variant registry, after timm's model registry.
+
+``@register_variant("name", config=Cfg, source="…")`` on a builder ``(d_model, config) ->
+Router`` makes a variant known; ``list_variants("mod_*")`` filters with shell wildcards;
+``get_variant`` fails with the registered names and the closest match. Third-party packages
+add variants without forking by exposing a module under the entry-point group
+``modbench.variants`` (importing it runs their ``@register_variant``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import importlib.metadata
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from harness.errors import ModbenchError, accepted
+
+from .base import Router, VariantConfig
+
+ENTRY_POINT_GROUP = "modbench.variants"
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    name: str
+    builder: Callable[[int, VariantConfig], Router]
+    config_cls: type[VariantConfig]
+    source: str
+    summary: str
+
+    def make_config(self, options: Mapping[str, Any] | None = None) -> VariantConfig:
+        options = dict(options or {})
+        known = {f.name for f in fields(self.config_cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ModbenchError(
+                f"variant {self.name!r} has no option {unknown[0]!r}: its options are "
+                f"{accepted(sorted(known)) or '(none)'}"
+            )
+        try:
+            return self.config_cls(**options)
+        except (TypeError, ValueError) as e:
+            raise ModbenchError(f"variant {self.name!r}: {e}") from None
+
+    def build(self, d_model: int, options: Mapping[str, Any] | None = None) -> Router:
+        return self.builder(d_model, self.make_config(options))
+
+
+_REGISTRY: dict[str, VariantSpec] = {}
+_plugins_loaded = False
+
+
+def register_variant(name: str, *, config: type[VariantConfig], source: str):
+    """Decorator registering ``builder(d_model, config) -> Router`` under ``name``."""
+
+    def wrap(builder: Callable[[int, VariantConfig], Router]):
+        if name in _REGISTRY and _REGISTRY[name].builder is not builder:
+            raise ValueError(f"variant {name!r} is already registered")
+        summary = (builder.__doc__ or "").strip().splitlines()[0] if builder.__doc__ else ""
+        _REGISTRY[name] = VariantSpec(name, builder, config, source, summary)
+        return builder
+
+    return wrap
+
+
+def _load_plugins() -> None:
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            ep.load()
+        except Exception as e:  # a broken plugin must not hide the built-in variants
+            raise ModbenchError(
+                f"variant plugin {ep.name!r} ({ep.value}) failed to load: {type(e).__name__}: {e}"
+            ) from e
+
+
+def list_variants(pattern: str = "*") -> list[str]:
+    """Registered variant names matching a shell-style wildcard, sorted."""
+    _load_plugins()
+    return sorted(n for n in _REGISTRY if fnmatch.fnmatchcase(n, pattern))
+
+
+def get_variant(name: str) -> VariantSpec:
+    _load_plugins()
+    if name not in _REGISTRY:
+        hint = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+        suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+        raise ModbenchError(
+            f"unknown variant {name!r}{suggestion}: registered variants are "
+            f"{accepted(sorted(_REGISTRY))}"
+        )
+    return _REGISTRY[name]
+
+
+def build_router(name: str, d_model: int, options: Mapping[str, Any] | None = None) -> Router:
+    return get_variant(name).build(d_model, options)

@@ -1,0 +1,63 @@
+"""``sigmoid``: linear router, block delta weighted by sigmoid(r).
+
+Source: seed 002's causal-friendly alternative to the softmax ("replace softmax with sigmoid
+... doesn't break causality") and the paper's router-weight path (Raposo et al. 2024 §3.3:
+the block output is multiplied by the router weight so the router is trained by the LM
+loss). The optional auxiliary BCE loss (§3.5, method 1) pushes r > 0 exactly for top-k
+members, so ``r > 0`` is the causal rule at decode time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .base import Router, VariantConfig, topk_membership
+from .linear_router import LinearScorer
+from .registry import register_variant
+
+
+@dataclass(frozen=True)
+class SigmoidConfig(VariantConfig):
+    aux_weight: float = 0.01  # weight of BCE(r, top-k membership); 0 turns it off
+
+    def __post_init__(self) -> None:
+        if self.aux_weight < 0:
+            raise ValueError(f"aux_weight must be >= 0, got {self.aux_weight}")
+
+
+class SigmoidRouter(Router):
+    scope = "block"
+
+    def __init__(self, d_model: int, config: SigmoidConfig) -> None:
+        super().__init__(config)
+        self.scorer = LinearScorer(d_model)
+
+    def score(self, x: Tensor) -> Tensor:
+        return self.scorer(x)
+
+    def mix_weight(self, selected_scores: Tensor, scores: Tensor) -> Tensor:
+        return torch.sigmoid(selected_scores)
+
+    def aux_losses(self, x: Tensor, scores: Tensor, index: Tensor) -> dict[str, Tensor]:
+        if self.config.aux_weight == 0:
+            return {}
+        return {"router_bce": F.binary_cross_entropy_with_logits(scores, topk_membership(scores, index))}
+
+    def aux_weights(self, step: int) -> dict[str, float]:
+        return {"router_bce": self.config.aux_weight}
+
+    def decide_causal(self, x: Tensor) -> Tensor:
+        return self.score(x) > 0
+
+    def flops_per_token(self, d_model: int) -> tuple[float, float]:
+        return LinearScorer.flops(d_model)
+
+
+@register_variant("sigmoid", config=SigmoidConfig, source="seed 002 (sigmoid alternative); paper §3.3/§3.5")
+def build_sigmoid(d_model: int, config: SigmoidConfig) -> SigmoidRouter:
+    """Linear router; delta × sigmoid(r); optional aux BCE so r > 0 is the causal rule."""
+    return SigmoidRouter(d_model, config)
