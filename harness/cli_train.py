@@ -1,0 +1,50 @@
+"""``modbench train``: one tracked training run from flags and/or a TOML config."""
+
+from __future__ import annotations
+
+import json
+
+from .run_config import add_config_flags, config_from_args
+
+
+def run(args) -> int:
+    from .config import describe
+    from .train import train
+
+    cfg = config_from_args(args)
+    if not args.quiet:
+        print(f"modbench train: {describe(cfg.model, cfg.routing)}")
+        print(cfg.to_json())
+    result = train(cfg, resume=args.resume, progress=not args.quiet)
+    summary = {
+        "run_id": result.run_id,
+        "steps": result.steps,
+        "tokens": result.tokens,
+        "flops": result.flops,
+        "flops_per_token": result.flops_per_token,
+        "val_bpb": result.val["bpb"],
+        "test_bpb": result.test["bpb"],
+        "tokens_per_s": result.tokens_per_s,
+        "logging_overhead": result.logging_overhead,
+        "checkpoint": str(result.checkpoint),
+    }
+    if args.json or args.quiet:
+        print(json.dumps(summary))
+    else:
+        print(
+            f"done: {result.steps} steps, {result.tokens:,} tokens, {result.flops:.3g} FLOPs; "
+            f"val {result.val['bpb']:.4f} bpb, test {result.test['bpb']:.4f} bpb; "
+            f"{result.tokens_per_s:,.0f} tokens/s; logging overhead {100 * result.logging_overhead:.2f}%"
+        )
+        if result.run_id:
+            print(f"MLflow run {result.run_id} (see it with: mlflow ui --backend-store-uri sqlite:///mlflow.db)")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train one model (FLOP/token/step/time budget), tracked in MLflow")
+    add_config_flags(p)
+    p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
+    p.add_argument("--quiet", action="store_true", help="no progress bar; print one JSON summary line")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=run)

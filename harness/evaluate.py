@@ -1,0 +1,74 @@
+"""Held-out evaluation: loss in nats, bits per byte, and routing against ground truth.
+
+Every arm is evaluated on the same fixed windows of the split (``data.eval_windows``), so
+differences between arms are differences between models, not between samples. On the
+``arithmetic`` corpus the router's selections are scored against the hard-byte labels: the
+computation at position t serves the prediction of byte t+1, so position t counts as hard
+when its *target* byte is hard.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+from torch import Tensor
+
+from .model import GPT
+
+
+@torch.no_grad()
+def evaluate(
+    model: GPT,
+    x: Tensor,
+    y: Tensor,
+    *,
+    batch_size: int,
+    device: torch.device,
+    autocast: torch.autocast | None = None,
+    hard_labels: Tensor | None = None,
+) -> dict[str, float]:
+    # The random control draws from the global RNG: evaluation must not shift training's draws.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return _evaluate(model, x, y, batch_size, device, autocast, hard_labels)
+
+
+def _evaluate(model, x, y, batch_size, device, autocast, hard_labels) -> dict[str, float]:
+    was_training = model.training
+    model.eval()
+    want_routing = hard_labels is not None and bool(model.routers)
+    model.set_collect_stats(want_routing)
+    total, count = 0.0, 0
+    hits = torch.zeros(len(model.routers))
+    chosen = torch.zeros(len(model.routers))
+    hard_total = 0.0
+    try:
+        for i in range(0, x.shape[0], batch_size):
+            xb, yb = x[i : i + batch_size].to(device), y[i : i + batch_size].to(device)
+            with autocast or nullcontext():
+                out = model(xb, yb)
+            total += out.loss.float().item() * xb.numel()
+            count += xb.numel()
+            if want_routing:
+                hard = hard_labels[i : i + batch_size].to(device).bool()
+                hard_total += hard.sum().item()
+                for layer, stats in enumerate(out.stats):
+                    sel = torch.zeros_like(hard).scatter_(1, stats["layer_index"], True)
+                    hits[layer] += (sel & hard).sum().item()
+                    chosen[layer] += sel.sum().item()
+    finally:
+        model.set_collect_stats(False)
+        model.train(was_training)
+    loss = total / count
+    result = {"loss": loss, "bpb": loss / math.log(2)}
+    if want_routing:
+        precision = hits / chosen.clamp_min(1)
+        recall = hits / max(hard_total, 1.0)
+        result["hard_precision"] = precision.mean().item()
+        result["hard_recall"] = recall.mean().item()
+        result["hard_base_rate"] = hard_total / count
+        for layer in range(len(model.routers)):
+            result[f"hard_precision_L{layer}"] = precision[layer].item()
+            result[f"hard_recall_L{layer}"] = recall[layer].item()
+    return result

@@ -1,0 +1,205 @@
+"""The training harness: learning, budgets, determinism, resume, MLflow, bad input."""
+
+import math
+from dataclasses import replace
+
+import mlflow
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+import variants
+from harness.budget import Budget
+from harness.cli import main
+from harness.config import ModelConfig, RoutingConfig
+from harness.data import load_corpus
+from harness.errors import ModbenchError
+from harness.model import GPT
+from harness.run_config import RunConfig, TrainConfig
+from harness.train import TrainingDiverged, train
+
+TINY = ModelConfig(depth=2, n_embd=64, head_dim=16, max_seq_len=64)
+
+
+def tiny(variant="sigmoid", capacity=0.25, **train_kw) -> RunConfig:
+    t = dict(dataset="arithmetic", seq_len=64, batch_size=8, budget="steps=20", eval_every=10,
+             log_every=5, eval_windows=8, track=False, out_dir="runs", lr=3e-3)
+    t.update(train_kw)
+    return RunConfig(TINY, RoutingConfig(variant, capacity), TrainConfig(**t))
+
+
+def train_losses(result):
+    return [h["train/loss"] for h in result.history if "train/loss" in h]
+
+
+@pytest.mark.slow
+def test_tiny_model_learns_arithmetic_well_below_unigram_entropy(tmp_cwd):
+    cfg = tiny("sigmoid", 0.5, budget="steps=150", eval_every=150, batch_size=16)
+    result = train(cfg, progress=False)
+    unigram = load_corpus("arithmetic").unigram_entropy_bits("val")
+    assert unigram > 3.5
+    assert result.val["bpb"] < 0.75 * unigram
+    assert result.test["bpb"] < 0.75 * unigram
+    # routing is scored against the hard-byte labels
+    assert 0.0 <= result.val["hard_precision"] <= 1.0 and 0 < result.val["hard_base_rate"] < 0.5
+
+
+@pytest.mark.parametrize("name", variants.list_variants())
+def test_every_variant_trains_a_few_steps(tmp_cwd, name):
+    result = train(tiny(name, budget="steps=4", eval_every=100, log_every=2), progress=False)
+    assert result.steps == 4
+    assert all(math.isfinite(x) for x in train_losses(result))
+    assert math.isfinite(result.val["bpb"])
+    if name != "dense":
+        assert any(k.startswith("route/L1/fraction") for h in result.history for k in h)
+
+
+def test_flop_budget_gives_mod_proportionally_more_steps():
+    base = tiny("dense", budget="flops=5e11")
+    mod = replace(base, routing=RoutingConfig("sigmoid", 0.125, pattern="alternate"))
+    tokens = 8 * 64
+    steps = {}
+    for cfg in (base, mod):
+        m = GPT(cfg.model, cfg.routing)
+        steps[cfg.routing.variant] = (Budget.parse(cfg.train.budget).steps(tokens, m.flops_per_token(64) * tokens),
+                                      m.flops_per_token(64))
+    (s_dense, f_dense), (s_mod, f_mod) = steps["dense"], steps["sigmoid"]
+    assert s_mod > s_dense
+    assert s_mod / s_dense == pytest.approx(f_dense / f_mod, rel=0.02)
+    assert s_dense * f_dense * tokens <= 5e11 and (s_dense + 1) * f_dense * tokens > 5e11
+
+
+def test_budget_kinds_and_errors():
+    assert Budget.parse("steps=10").steps(100, 1e9) == 10
+    assert Budget.parse("tokens=1000").steps(100, 1e9) == 10
+    assert Budget.parse("flops=1e10").steps(100, 1e9) == 10
+    assert Budget.parse("seconds=5").steps(100, 1e9) is None
+    for bad in ("flops=0", "steps=-3", "flops=inf", "minutes=3", "flops", "flops=abc"):
+        with pytest.raises(ModbenchError, match="expected 'steps=N'"):
+            Budget.parse(bad)
+    with pytest.raises(ModbenchError, match="smaller than one training step"):
+        Budget.parse("flops=10").steps(100, 1e9)
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "random"])
+def test_same_seed_same_losses_bit_for_bit(tmp_cwd, name):
+    a = train(tiny(name), progress=False)
+    b = train(tiny(name), progress=False)
+    assert train_losses(a) == train_losses(b) and len(train_losses(a)) == 4
+    assert a.val == b.val
+    c = train(tiny(name, seed=1), progress=False)
+    assert train_losses(c) != train_losses(a)
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("name", ["learned_temperature", "random"])
+def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_cwd, name):
+    full = train(tiny(name, checkpoint_every=10, out_dir="full"), progress=False)
+
+    def interrupt(step, val):
+        if step == 10:
+            raise Stop
+
+    cfg = tiny(name, checkpoint_every=10, out_dir="parts")
+    with pytest.raises(Stop):
+        train(cfg, progress=False, on_eval=interrupt)
+    resumed = train(cfg, progress=False, resume=True)
+    assert resumed.steps == 20
+    assert train_losses(resumed) == train_losses(full)
+    assert resumed.val == full.val and resumed.test == full.test
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tmp_cwd):
+    with pytest.raises(ModbenchError, match="no checkpoint"):
+        train(tiny(), progress=False, resume=True)
+
+
+def test_nan_loss_stops_the_run_and_marks_it_failed(tmp_cwd, monkeypatch):
+    uri = f"sqlite:///{tmp_cwd}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    real_forward = GPT.forward
+
+    def poisoned(self, idx, targets=None):
+        out = real_forward(self, idx, targets)
+        if targets is not None and self.training:
+            out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(GPT, "forward", poisoned)
+    with pytest.raises(TrainingDiverged, match="training loss became nan at step 5"):
+        train(tiny(track=True, experiment="nan-test"), progress=False)
+    runs = mlflow.search_runs(experiment_names=["nan-test"], output_format="list")
+    assert [r.info.status for r in runs] == ["FAILED"]
+
+
+def test_mlflow_run_has_params_step_metrics_and_artifacts(tmp_cwd, monkeypatch):
+    uri = f"sqlite:///{tmp_cwd}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    result = train(tiny("sigmoid", track=True, experiment="harness-test"), progress=False)
+    mlflow.set_tracking_uri(uri)
+    df = mlflow.search_runs(experiment_names=["harness-test"])
+    assert len(df) == 1
+    row = df.iloc[0]
+    assert row["run_id"] == result.run_id and row["status"] == "FINISHED"
+    assert row["params.routing.variant"] == "sigmoid" and row["params.routing.capacity"] == "0.25"
+    assert row["params.model.depth"] == "2" and int(row["params.budget.resolved_steps"]) == 20
+    assert len(row["tags.dataset_sha256"]) == 64 and row["tags.device"] == "cpu"
+    assert "tags.git_sha" in df.columns or any("git" in c for c in df.columns)
+    client = MlflowClient(uri)
+    history = client.get_metric_history(result.run_id, "train/loss")
+    assert [m.step for m in history] == [5, 10, 15, 20]
+    assert len(client.get_metric_history(result.run_id, "route/L1/fraction")) == 4
+    assert client.get_metric_history(result.run_id, "val/bpb")[-1].step == 20
+    artifacts = {a.path for a in client.list_artifacts(result.run_id)}
+    assert {"config.json", "routing_heatmap.png"} <= artifacts
+    assert not (tmp_cwd / "mlruns").exists()
+
+
+def test_cli_config_file_and_flags(tmp_cwd, capsys):
+    (tmp_cwd / "run.toml").write_text(
+        '[model]\ndepth = 2\nn_embd = 64\nhead_dim = 16\nmax_seq_len = 64\n'
+        '[routing]\nvariant = "sigmoid"\ncapacity = 0.5\n[routing.options]\naux_weight = 0.05\n'
+        '[train]\ndataset = "arithmetic"\nseq_len = 32\nbatch_size = 4\nbudget = "steps=3"\neval_windows = 4\n'
+    )
+    rc = main(["train", "--config", "run.toml", "--capacity", "0.25", "--no-track", "--quiet"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert '"steps": 3' in out
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--dataset", "wikitext"], "unknown dataset 'wikitext'"),
+        (["--dataset", "no/such/file.txt"], "unknown dataset 'no/such/file.txt'"),
+        (["--budget", "flops=0"], "must be positive"),
+        (["--budget", "flops=-1e12"], "budget"),
+        (["--capacity", "1.5"], "expected a fraction in (0, 1]"),
+        (["--variant", "sigmod"], "did you mean 'sigmoid'"),
+        (["--pattern", "zigzag"], "layer pattern 'zigzag'"),
+        (["--option", "bogus=1"], "has no option 'bogus'"),
+        (["--depth", "two"], "wrong type"),
+        (["--seq-len", "4096"], "exceeds model.max_seq_len"),
+        (["--config", "missing.toml"], "does not exist"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_cwd, capsys, argv, message):
+    rc = main(["train", "--quiet", *argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert message in err and len(err.splitlines()) == 1
+    assert not (tmp_cwd / "mlflow.db").exists() and not (tmp_cwd / "runs").exists()
+
+
+def test_checksum_mismatch_is_refused_before_anything_is_written(tmp_cwd, monkeypatch, capsys):
+    data = tmp_cwd / "data"
+    data.mkdir()
+    (data / "tinyshakespeare.txt").write_bytes(b"x" * 1_115_394)
+    monkeypatch.setenv("MODBENCH_DATA_DIR", str(data))
+    rc = main(["train", "--dataset", "tinyshakespeare", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "corrupt" in err
+    assert not (tmp_cwd / "mlflow.db").exists() and not (tmp_cwd / "runs").exists()
