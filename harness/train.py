@@ -154,7 +154,8 @@ def train(
         if start_step >= (total_steps or math.inf):
             raise ModbenchError(f"run {run_dir.name} already finished its {total_steps} steps: nothing to resume")
 
-    if tracker is None:
+    owns_tracker = tracker is None  # a caller's tracker is started and ended by the caller
+    if owns_tracker:
         from .tracking import NullTracker, Tracker
 
         tracker = (
@@ -169,7 +170,7 @@ def train(
         "routing.resolved_pattern": pattern_string(model.routed_flags),
     }
 
-    with tracker:
+    with tracker if owns_tracker else nullcontext(tracker):
         if start_step == 0:
             tracker.log_params({**cfg.to_dict(), **resolved})
             tracker.set_tags({"dataset_sha256": corpus.sha256, "device": _device_name(device), "dataset": t.dataset})

@@ -1,0 +1,252 @@
+"""Studies: end to end on SQLite, resume, kill-and-retry, two workers on PostgreSQL, bad files."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import optuna
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlflow.tracking import MlflowClient
+
+from harness.cli import main
+from harness.errors import ModbenchError
+from harness.study import trials_frame
+from harness.study_config import load_study
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = REPO / "studies" / "smoke.toml"
+POSTGRES = os.environ.get("MODBENCH_TEST_POSTGRES_URL")
+
+
+def cli(*args: str, cwd: Path, env: dict | None = None, wait: bool = True):
+    cmd = [sys.executable, "-m", "harness.cli", *args]
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    if wait:
+        return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=600)
+    return subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def smoke_variant(tmp: Path, name: str, steps: int = 6, seeds=(0, 1), extra: str = "") -> Path:
+    text = SMOKE.read_text().replace('name = "smoke"', f'name = "{name}"')
+    text = text.replace('budget = "steps=6"', f'budget = "steps={steps}"').replace("seeds = [0, 1]", f"seeds = {list(seeds)}")
+    path = tmp / f"{name}.toml"
+    path.write_text(text + extra)
+    return path
+
+
+def sqlite_url(tmp: Path, name: str) -> str:
+    return f"sqlite:///{tmp}/runs/studies/{name}/optuna.db"
+
+
+def exactly_once(df) -> None:
+    done = df[df.state == "COMPLETE"]
+    keys = list(zip(done.arm, done.seed))
+    assert len(keys) == len(set(keys)), f"an (arm, seed) completed twice: {sorted(keys)}"
+
+
+def test_smoke_study_end_to_end_with_mlflow_parent_and_children(tmp_cwd):
+    rc = main(["study", "run", str(SMOKE), "--quiet"])
+    assert rc == 0
+    df = trials_frame("smoke", sqlite_url(tmp_cwd, "smoke"))
+    assert sorted(df.state) == ["COMPLETE"] * 4
+    assert sorted(zip(df.arm, df.seed)) == [("dense", 0), ("dense", 1), ("sigmoid C=0.25 alternate", 0), ("sigmoid C=0.25 alternate", 1)]
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_cwd}/mlflow.db")
+    runs = mlflow.search_runs(experiment_names=["smoke"], output_format="list")
+    parents = [r for r in runs if r.data.tags.get("modbench.role") == "study"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert len(children) == 4
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parents[0].info.run_id}
+    for r in children:
+        assert r.info.status == "FINISHED" and r.data.tags["optuna.state"] == "COMPLETE"
+        assert "objective/val_bpb" in r.data.metrics and "trial.number" in r.data.params
+    assert set(df.mlflow_run_id) == {r.info.run_id for r in children}
+    assert "best/val_bpb" in parents[0].data.metrics
+
+
+def test_resume_adds_trials_without_duplicates(tmp_cwd):
+    path = smoke_variant(tmp_cwd, "resume")
+    assert main(["study", "run", str(path), "--n-trials", "2", "--quiet"]) == 0
+    df = trials_frame("resume", sqlite_url(tmp_cwd, "resume"))
+    assert (df.state == "COMPLETE").sum() == 2 and (df.state == "WAITING").sum() == 2
+    first = set(df[df.state == "COMPLETE"].number)
+    assert main(["study", "run", str(path), "--quiet"]) == 0
+    df = trials_frame("resume", sqlite_url(tmp_cwd, "resume"))
+    assert len(df) == 4 and (df.state == "COMPLETE").all()
+    exactly_once(df)
+    assert first <= set(df.number)
+    assert main(["study", "run", str(path), "--quiet"]) == 0  # nothing left: runs nothing
+    assert len(trials_frame("resume", sqlite_url(tmp_cwd, "resume"))) == 4
+
+
+def test_status_command_json(tmp_cwd, capsys):
+    path = smoke_variant(tmp_cwd, "status")
+    main(["study", "run", str(path), "--n-trials", "1", "--quiet"])
+    capsys.readouterr()
+    assert main(["study", "status", str(path), "--json"]) == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    assert out["trials"] == {"COMPLETE": 1, "WAITING": 3}
+
+
+def storages(tmp: Path, name: str):
+    return POSTGRES or sqlite_url(tmp, name)
+
+
+@pytest.mark.slow
+def test_killed_worker_trial_is_retried_and_its_mlflow_run_failed(tmp_path):
+    name = f"kill_{os.getpid()}"
+    path = smoke_variant(tmp_path, name, steps=150, seeds=(0,))
+    storage = POSTGRES or sqlite_url(tmp_path, name)
+    (tmp_path / "runs" / "studies" / name).mkdir(parents=True)
+    args = ["study", "run", str(path), "--storage", storage, "--heartbeat", "1", "--grace", "3", "--quiet"]
+    worker = cli(*args, cwd=tmp_path, wait=False)
+    deadline = time.time() + 120
+    try:
+        while time.time() < deadline:
+            try:
+                df = trials_frame(name, storage)
+                if (df.state == "COMPLETE").sum() >= 1 and (df.state == "RUNNING").sum() == 1:
+                    break
+            except ModbenchError:
+                pass
+            time.sleep(0.3)
+        else:
+            pytest.fail("worker never reached a running second trial")
+        time.sleep(1.5)  # mid-trial, with a few heartbeats written
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(timeout=30)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    before = trials_frame(name, storage)
+    finished_before = before[before.state == "COMPLETE"][["number", "arm", "seed", "val_bpb"]]
+    killed = before[before.state == "RUNNING"].iloc[0]
+    time.sleep(3.5)  # past the grace period
+    done = cli(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    after = trials_frame(name, storage)
+    # finished trials are intact
+    merged = finished_before.merge(after, on="number", suffixes=("", "_after"))
+    assert (merged.val_bpb == merged.val_bpb_after).all() and len(merged) == len(finished_before)
+    # the killed trial failed and the same (arm, seed) was retried to completion
+    assert after.set_index("number").loc[killed.number, "state"] == "FAIL"
+    retried = after[(after.arm == killed.arm) & (after.seed == killed.seed) & (after.state == "COMPLETE")]
+    assert len(retried) == 1 and retried.number.iloc[0] > killed.number
+    exactly_once(after)
+    assert (after.state == "COMPLETE").sum() == 2
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    assert client.get_run(killed.mlflow_run_id).info.status == "FAILED"
+
+
+@pytest.mark.skipif(not POSTGRES, reason="set MODBENCH_TEST_POSTGRES_URL (CI starts PostgreSQL on 127.0.0.1)")
+def test_two_workers_on_postgresql_run_every_trial_exactly_once(tmp_path):
+    name = f"pg_two_workers_{os.getpid()}_{int(time.time())}"
+    path = smoke_variant(tmp_path, name, steps=20, seeds=(0, 1, 2))
+    args = ["study", "run", str(path), "--storage", POSTGRES, "--quiet"]
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    workers = [cli(*args, cwd=tmp_path, env=env, wait=False) for _ in range(2)]
+    outputs = [w.communicate(timeout=600)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], outputs
+    df = trials_frame(name, POSTGRES)
+    assert len(df) == 6 and (df.state == "COMPLETE").all()
+    exactly_once(df)
+    assert df.worker.nunique() == 2, f"one worker did everything: {df.worker.value_counts().to_dict()}"
+
+
+BAD = {
+    "unknown key": ('[study]\nname = "b"\nsampler = "grid"\nbogus = 1\n[space]\nvariant = ["dense"]\n', "unknown key 'bogus'"),
+    "wrong type": ('[study]\nname = "b"\nseeds = "0"\n[space]\nvariant = ["dense"]\n', "seeds"),
+    "capacity 1.5": ('[study]\nname = "b"\n[space]\nvariant = ["norm"]\ncapacity = [1.5]\n', "space.capacity"),
+    "unknown variant": ('[study]\nname = "b"\n[space]\nvariant = ["nrom"]\n', "unknown variant 'nrom'"),
+    "unknown pattern": ('[study]\nname = "b"\n[space]\nvariant = ["norm"]\npattern = ["zigzag"]\n', "space.pattern"),
+    "pruner with two objectives": ('[study]\nname = "b"\nsampler = "nsga2"\nn_trials = 2\npruner = "median"\nobjectives = ["val_bpb", "flops_per_token"]\n[space]\nvariant = ["norm"]\n', "cannot prune multi-objective"),
+    "empty space": ('[study]\nname = "b"\n[space]\n', "space: is empty"),
+    "no space": ('[study]\nname = "b"\n', "space: is empty"),
+    "bad toml": ('[study\nname = "b"\n', "not valid TOML"),
+    "unknown section": ('[stduy]\nname = "b"\n', "unknown section"),
+    "bad model key": ('[study]\nname = "b"\n[model]\ndepht = 3\n[space]\nvariant = ["dense"]\n', "unknown key 'depht'"),
+    "nsga2 single objective": ('[study]\nname = "b"\nsampler = "nsga2"\nn_trials = 2\n[space]\nvariant = ["norm"]\n', "multi-objective"),
+    "range on grid": ('[study]\nname = "b"\n[space]\nvariant = ["norm"]\ncapacity = {low = 0.1, high = 0.5}\n', "model-based sampler"),
+    "bad option": ('[study]\nname = "b"\n[options.sigmoid]\naux_wieght = 1\n[space]\nvariant = ["sigmoid"]\n', "options.sigmoid"),
+    "bad budget": ('[study]\nname = "b"\n[train]\nbudget = "flops=-1"\n[space]\nvariant = ["dense"]\n', "budget"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_study_file_is_one_line_exit_2_and_writes_nothing(tmp_cwd, capsys, case):
+    text, message = BAD[case]
+    path = tmp_cwd / "bad.toml"
+    path.write_text(text)
+    rc = main(["study", "run", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert message in err and len(err.splitlines()) == 1
+    assert str(path) in err or "bad.toml" in err
+    assert not (tmp_cwd / "runs").exists() and not (tmp_cwd / "mlflow.db").exists()
+
+
+def test_shipped_study_files_are_valid():
+    files = sorted((REPO / "studies").glob("*.toml"))
+    assert {"smoke", "quick", "variant_shootout", "capacity_sweep", "layer_patterns", "isoflop"} <= {f.stem for f in files}
+    for f in files:
+        study = load_study(f)
+        assert study.name == f.stem
+        if study.settings.sampler == "grid":
+            assert study.arms()
+
+
+def test_variant_shootout_covers_all_variants_three_capacities_five_seeds():
+    s = load_study(REPO / "studies" / "variant_shootout.toml")
+    import variants
+
+    assert set(s.space["variant"]) == set(variants.list_variants())
+    assert sorted(s.space["capacity"]) == [0.125, 0.25, 0.5]
+    assert s.space["pattern"] == ["alternate"] and len(s.settings.seeds) >= 5
+
+
+_key = st.sampled_from(["study", "model", "train", "space", "options", "name", "seeds", "sampler", "pruner", "objectives",
+                        "variant", "capacity", "pattern", "depth", "budget", "n_trials", "bogus", "lr_mult", "schedule"])
+_scalar = st.one_of(st.integers(-3, 3), st.floats(allow_nan=False, allow_infinity=False, width=32), st.booleans(),
+                    st.sampled_from(["dense", "norm", "grid", "tpe", "alternate", "flops=1e9", "val_bpb", "", "x"]))
+_value = st.one_of(_scalar, st.lists(_scalar, max_size=3))
+
+
+def _toml(doc: dict) -> str:
+    import json
+
+    lines = []
+    for section, table in doc.items():
+        lines.append(f"[{section}]")
+        for k, v in table.items():
+            lines.append(f"{k} = {json.dumps(v).replace('true', 'true')}")
+    return "\n".join(lines) + "\n"
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(doc=st.dictionaries(_key, st.dictionaries(_key, _value, max_size=4), max_size=4))
+def test_fuzzed_study_files_never_give_a_traceback(tmp_path, doc):
+    path = tmp_path / "fuzz.toml"
+    path.write_text(_toml(doc))
+    try:
+        load_study(path)
+    except ModbenchError as e:
+        assert "\n" not in str(e)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(raw=st.binary(max_size=200))
+def test_fuzzed_bytes_never_give_a_traceback(tmp_path, raw):
+    path = tmp_path / "fuzz.toml"
+    path.write_bytes(raw)
+    try:
+        load_study(path)
+    except ModbenchError as e:
+        assert "\n" not in str(e)
