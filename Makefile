@@ -1,10 +1,11 @@
-# modbench: `make demo` runs the main job, `make test` runs the tests. Both build .venv first.
+# modbench: `make quick` runs the main job (the quick study and its report), `make test` runs
+# the tests. Both build .venv first.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install quick demo test bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,11 +17,20 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+quick: $(STAMP)
+	$(BIN)/modbench study run studies/quick.toml
+	$(BIN)/modbench report studies/quick.toml
+
 demo: $(STAMP)
 	$(BIN)/modbench demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	mkdir -p reports/bench
+	$(BIN)/python -m pytest tests/bench --benchmark-enable --benchmark-json=reports/bench/cpu.json --benchmark-group-by=group -q
+	$(BIN)/python -m harness.bench_table reports/bench/cpu.json --markdown reports/bench/cpu.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks

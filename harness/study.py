@@ -59,23 +59,25 @@ def default_storage(study: Study, out_dir: str | Path) -> str:
 
 
 def open_storage(url: str, experiment: str, *, heartbeat: int, grace: int, max_retry: int = 2) -> optuna.storages.RDBStorage:
-    retry = optuna.storages.RetryFailedTrialCallback(max_retry=max_retry)
+    with warnings.catch_warnings():  # heartbeats are marked experimental in Optuna 5
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
 
-    def on_failed(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-        # The worker died: its MLflow child run must not stay RUNNING forever.
-        run_id = trial.user_attrs.get("mlflow_run_id")
-        if run_id:
-            fail_stale_runs(experiment, run_ids=[run_id])
-        retry(study, trial)
+        def on_stale(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+            # The worker died: its MLflow child run must not stay RUNNING forever.
+            run_id = trial.user_attrs.get("mlflow_run_id")
+            if run_id:
+                fail_stale_runs(experiment, run_ids=[run_id])
+            retry(study, trial)
 
-    try:
-        return optuna.storages.RDBStorage(
-            url, heartbeat_interval=heartbeat, grace_period=grace, failed_trial_callback=on_failed,
-            engine_kwargs={"pool_pre_ping": True},
-        )
-    except Exception as e:  # sqlalchemy raises many kinds; the user needs the URL and the reason
-        reason = str(e).splitlines()[0][:200]
-        raise ModbenchError(f"cannot open Optuna storage {url!r}: {reason}") from None
+        try:
+            return optuna.storages.RDBStorage(
+                url, heartbeat_interval=heartbeat, grace_period=grace, heartbeat_stale_trial_callback=on_stale,
+                engine_kwargs={"pool_pre_ping": True},
+            )
+        except Exception as e:  # sqlalchemy raises many kinds; the user needs the URL and the reason
+            reason = str(e).splitlines()[0][:200]
+            raise ModbenchError(f"cannot open Optuna storage {url!r}: {reason}") from None
 
 
 def make_sampler(study: Study) -> optuna.samplers.BaseSampler:

@@ -1,0 +1,89 @@
+"""Reports generated end to end from tiny real studies, including degenerate ones."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+import harness.study as study_mod
+from harness.cli import main
+from harness.errors import ModbenchError
+from harness.train import TrainingDiverged
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = (REPO / "studies" / "smoke.toml").read_text()
+
+
+def study_file(tmp: Path, name: str, seeds="[0, 1]", variants='["dense", "sigmoid"]') -> Path:
+    text = SMOKE.replace('name = "smoke"', f'name = "{name}"').replace("seeds = [0, 1]", f"seeds = {seeds}")
+    text = text.replace('variant = ["dense", "sigmoid"]', f"variant = {variants}")
+    path = tmp / f"{name}.toml"
+    path.write_text(text)
+    return path
+
+
+def links(report: str) -> list[str]:
+    return re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report)
+
+
+def test_report_end_to_end_has_every_section_and_plot(tmp_cwd):
+    path = study_file(tmp_cwd, "rep", seeds="[0, 1, 2]", variants='["dense", "sigmoid", "norm"]')
+    assert main(["study", "run", str(path), "--quiet"]) == 0
+    assert main(["report", str(path)]) == 0
+    out = tmp_cwd / "reports" / "rep"
+    text = (out / "report.md").read_text()
+    for heading in ("## Summary", "## Arms", "## Comparisons against dense", "## Validation curves", "## Pareto fronts",
+                    "## Throughput", "## Routing", "## Environment", "## Reproduce"):
+        assert heading in text, heading
+    for link in links(text):
+        png = out / link
+        assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", link
+    assert {"curves.png", "pareto_flops.png", "pareto_speed.png", "throughput.png", "routing_positions.png"} <= set(links(text))
+    for csv in ("trials.csv", "arms.csv", "comparisons.csv", "curves.csv"):
+        assert (out / csv).is_file()
+    assert "nan" not in text.lower()
+    assert "Holm" in text and "Hedges" in text
+    # the summary's sentences come from the statistics: both routed arms are compared with dense
+    assert text.count("than dense") >= 2
+    assert "| arm " in text and "|:--" in text  # markdown tables from pandas.to_markdown
+    assert f"modbench study run {path}" in text
+
+
+def test_one_seed_per_arm_is_reported_not_tested(tmp_cwd):
+    path = study_file(tmp_cwd, "oneseed", seeds="[0]")
+    assert main(["study", "run", str(path), "--quiet"]) == 0
+    assert main(["report", str(path)]) == 0
+    text = (tmp_cwd / "reports" / "oneseed" / "report.md").read_text()
+    assert "no test possible" in text or "fewer than two successful seeds" in text
+    assert "nan" not in text.lower()
+
+
+def test_failed_arm_and_missing_dense_baseline(tmp_cwd, monkeypatch):
+    real_train = study_mod.train
+
+    def flaky(cfg, **kw):
+        if cfg.routing.variant == "norm":
+            raise TrainingDiverged("training loss became nan at step 3")
+        return real_train(cfg, **kw)
+
+    monkeypatch.setattr(study_mod, "train", flaky)
+    path = study_file(tmp_cwd, "nodense", variants='["sigmoid", "norm"]')
+    assert main(["study", "run", str(path), "--quiet"]) == 0
+    assert main(["report", str(path)]) == 0
+    text = (tmp_cwd / "reports" / "nodense" / "report.md").read_text()
+    assert "no dense baseline" in text
+    assert "2 fail" in text  # the trial count line reports the failed arm's trials
+    assert "nan" not in text.lower().replace("became nan", "")
+
+
+def test_report_of_a_partial_study(tmp_cwd):
+    path = study_file(tmp_cwd, "empty")
+    assert main(["study", "run", str(path), "--n-trials", "1", "--quiet"]) == 0
+    # one of four trials done: still a valid report
+    assert main(["report", str(path)]) == 0
+
+
+def test_report_of_unknown_study_is_a_clear_error(tmp_cwd, capsys):
+    path = study_file(tmp_cwd, "never_ran")
+    rc = main(["report", str(path), "--storage", f"sqlite:///{tmp_cwd}/none.db"])
+    assert rc == 2 and "no study named 'never_ran'" in capsys.readouterr().err
