@@ -5,6 +5,13 @@ differences between arms are differences between models, not between samples. On
 ``arithmetic`` corpus the router's selections are scored against the hard-byte labels: the
 computation at position t serves the prediction of byte t+1, so position t counts as hard
 when its *target* byte is hard.
+
+With ``modes=True`` (the final evaluation of a run) the model is also scored in the two
+other routing modes of ``GPT.forward`` on the same windows — ``causal`` (each token routed
+by ``decide_causal``: what decoding computes) and ``dense`` (MoD switched off) — giving
+``causal_bpb``, ``dense_bpb`` and the gaps ``causal_gap`` = causal − topk and
+``dense_gap`` = dense − topk, plus the causal predictor's agreement with top-k, the
+realised causal fraction and the top-k leak rate (``harness.inference.causal_metrics``).
 """
 
 from __future__ import annotations
@@ -28,10 +35,18 @@ def evaluate(
     device: torch.device,
     autocast: torch.autocast | None = None,
     hard_labels: Tensor | None = None,
+    modes: bool = False,
 ) -> dict[str, float]:
     # The random control draws from the global RNG: evaluation must not shift training's draws.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        return _evaluate(model, x, y, batch_size, device, autocast, hard_labels)
+        result = _evaluate(model, x, y, batch_size, device, autocast, hard_labels)
+        if modes:
+            from .inference import causal_metrics
+
+            result.update(causal_metrics(model, x, y, batch_size=batch_size, device=device, autocast=autocast))
+            result["causal_gap"] = result["causal_bpb"] - result["bpb"]
+            result["dense_gap"] = result["dense_bpb"] - result["bpb"]
+        return result
 
 
 def _evaluate(model, x, y, batch_size, device, autocast, hard_labels) -> dict[str, float]:

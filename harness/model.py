@@ -13,6 +13,13 @@ Read top to bottom. Notable features:
   adds ``weight · delta`` back with one batched ``index_add``. Unselected tokens are never
   written, so they come out bit-identical. ``mlp_skip`` routes the MLP alone.
 - Capacity 1.0 (and the ``dense`` variant) builds plain blocks: no router, no overhead.
+- Three routing modes (``GPT.forward(..., routing_mode=...)``): ``"topk"`` is the training
+  rule above (non-causal: whether token t is selected depends on the scores of later
+  tokens); ``"causal"`` routes each token by the variant's ``decide_causal`` (its own hidden
+  state only) in one parallel pass with a boolean attention mask — a skipped token is
+  neither a query nor a key/value at that layer — which is exactly what KV-cached decoding
+  (``harness.inference``) computes; ``"dense"`` runs every routed layer as a plain block on
+  every token (MoD switched off: seed 000's inference mode). The default path is unchanged.
 - No host-device synchronisation in the forward pass: k is a Python int from static
   shapes, and nothing calls ``.item()``; the model compiles with ``fullgraph=True``.
 - Analytic FLOPs as model methods (``flops_per_token``), documented in ``harness.flops``.
@@ -32,7 +39,9 @@ from variants import Router, build_router
 from . import flops as flop_math
 from .capacity import CapacitySchedule
 from .config import ModelConfig, RoutingConfig
-from .errors import ModbenchError
+from .errors import ModbenchError, accepted
+
+ROUTING_MODES = ("topk", "causal", "dense")
 
 
 # --- rotary position embeddings -----------------------------------------------------------
@@ -61,11 +70,23 @@ class Attention(nn.Module):
         self.proj = nn.Linear(d, d, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return self.output(F.scaled_dot_product_attention(*self.project(x, cos, sin), is_causal=True))
+
+    # The causal-mode and KV-cache paths use the two halves of ``forward`` with their own masks.
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v of shape (B, H, T, hd), q and k rotated by the tokens' positions."""
         B, T, d = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, T, d))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def output(self, y: Tensor) -> Tensor:
+        B, _, T, hd = y.shape
+        return self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * hd))
+
+    def forward_masked(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        """Attention with an explicit boolean mask (B, 1, T, T): True = key visible."""
+        q, k, v = self.project(x, cos, sin)
+        return self.output(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
 class MLP(nn.Module):
@@ -94,6 +115,23 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return x + self.delta(x, cos, sin)
+
+    def delta_masked(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        a = self.attn.forward_masked(self.norm1(x), cos, sin, mask)
+        return a + self.mlp(self.norm2(x + a))
+
+
+def causal_routing_mask(decide: Tensor) -> Tensor:
+    """(B, 1, T, T) bool: key j visible to query i iff j <= i and token j is processed.
+
+    An unprocessed query may have no visible key at all (a fully masked row gives NaN in
+    SDPA), so every query also sees itself; the outputs of unprocessed queries are
+    discarded by the caller, so this changes nothing that is kept.
+    """
+    T = decide.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=decide.device).tril()
+    eye = torch.eye(T, dtype=torch.bool, device=decide.device)
+    return ((causal & decide.unsqueeze(1)) | eye).unsqueeze(1)
 
 
 @dataclass
@@ -135,6 +173,33 @@ class RoutedBlock(nn.Module):
         out = flat.index_add(0, rows, delta.reshape(B * k, d)).view(B, T, d)
         stats = dict(r.stats, layer_index=r.index) if self.router.collect_stats else r.stats
         return LayerOutput(out, r.aux_losses, stats)
+
+    def forward_causal(self, x: Tensor, cos: Tensor, sin: Tensor) -> LayerOutput:
+        """Route each token by ``decide_causal`` (its own state), in one masked pass.
+
+        Processed tokens get ``x + causal_weight · delta``; skipped tokens come out
+        bit-identical. Every token is computed and the skipped ones discarded: this mode
+        measures quality, not speed (decoding with ``harness.inference`` saves the work).
+        """
+        T = x.shape[1]
+        cos, sin = cos[:T], sin[:T]
+        if self.router.scope == "mlp":
+            x = x + self.block.attn(self.block.norm1(x), cos, sin)
+            decide = self.router.decide_causal(x)
+            delta = self.block.mlp(self.block.norm2(x))
+        else:
+            decide = self.router.decide_causal(x)
+            delta = self.block.delta_masked(x, cos, sin, causal_routing_mask(decide))
+        weight = self.router.causal_weight(x, decide)
+        if weight is not None:
+            delta = delta * weight.unsqueeze(-1).to(delta.dtype)
+        out = torch.where(decide.unsqueeze(-1), x + delta, x)
+        return LayerOutput(out, {}, {"decide": decide} if self.router.collect_stats else {})
+
+    def forward_dense(self, x: Tensor, cos: Tensor, sin: Tensor) -> LayerOutput:
+        """MoD off: a plain block on every token, router and weights ignored."""
+        T = x.shape[1]
+        return LayerOutput(self.block(x, cos[:T], sin[:T]))
 
 
 class DenseLayer(nn.Module):
@@ -202,18 +267,26 @@ class GPT(nn.Module):
         for r in self.routers:
             r.collect_stats = on
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None) -> ModelOutput:
+    def forward(self, idx: Tensor, targets: Tensor | None = None, *, routing_mode: str = "topk") -> ModelOutput:
+        """Logits (and loss); ``routing_mode`` is "topk" (training), "causal" or "dense"."""
         B, T = idx.shape
         if T > self.cfg.max_seq_len:
             raise ModbenchError(
                 f"sequence length {T} exceeds the model's max_seq_len {self.cfg.max_seq_len}: "
                 f"use T <= {self.cfg.max_seq_len} or raise model.max_seq_len"
             )
+        if routing_mode not in ROUTING_MODES:
+            raise ModbenchError(f"routing mode {routing_mode!r} is unknown: expected {accepted(ROUTING_MODES)}")
         x = self.embed(idx)
         aux: dict[str, Tensor] = {}
         stats: list[dict[str, Tensor]] = []
         for layer in self.layers:
-            out = layer(x, self.rope_cos, self.rope_sin)
+            if routing_mode == "topk" or not isinstance(layer, RoutedBlock):
+                out = layer(x, self.rope_cos, self.rope_sin)
+            elif routing_mode == "causal":
+                out = layer.forward_causal(x, self.rope_cos, self.rope_sin)
+            else:
+                out = layer.forward_dense(x, self.rope_cos, self.rope_sin)
             x = out.x
             for name, value in out.aux_losses.items():
                 aux[name] = aux[name] + value if name in aux else value

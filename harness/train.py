@@ -26,12 +26,17 @@ from .config import lr_scale, wd_scale
 from .data import Corpus, eval_windows, eval_windows_with_labels, get_batch, load_corpus
 from .errors import ModbenchError
 from .evaluate import evaluate
+from .inference import calibrate_causal_rules
 from .model import GPT, RoutedBlock
 from .patterns import pattern_string
 from .run_config import RunConfig
 
 # Dense bf16 tensor-core peaks (FLOP/s) for MFU; unknown devices report no MFU.
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
+
+
+CALIBRATION_BATCHES = 8  # training batches of the final causal-rule calibration (forward only)
+CALIBRATION_SEED_OFFSET = 7919  # its own data stream: training's data order is untouched
 
 
 class TrainingDiverged(ModbenchError):
@@ -266,7 +271,16 @@ def train(
             bar.update(1)
         bar.close()
 
-        val = evaluate(model, val_x, val_y, batch_size=t.batch_size, device=device, autocast=autocast, hard_labels=val_hard)
+        # The causal rules' running thresholds lag behind drifting scores: re-estimate them on the
+        # final weights from training batches of their own stream (harness.inference), then the
+        # final validation also scores the causal and dense routing modes (train/inference gap).
+        calib_gen = torch.Generator().manual_seed(t.seed + CALIBRATION_SEED_OFFSET)
+        calibrate_causal_rules(
+            model, [get_batch(corpus.train, t.batch_size, t.seq_len, calib_gen)[0] for _ in range(CALIBRATION_BATCHES)],
+            autocast=autocast,
+        )
+        val = evaluate(model, val_x, val_y, batch_size=t.batch_size, device=device, autocast=autocast,
+                       hard_labels=val_hard, modes=True)
         test_x, test_y, test_hard = _eval_set(corpus, "test", t)
         test = evaluate(model, test_x, test_y, batch_size=t.batch_size, device=device, autocast=autocast, hard_labels=test_hard)
         final = {**{f"val/{k}": v for k, v in val.items()}, **{f"test/{k}": v for k, v in test.items()}}
@@ -278,6 +292,7 @@ def train(
         tracker.log_metrics(final, step)
         _log_heatmap(model, val_x, device, tracker, run_dir, routed_ids)
         _save(ckpt_path, model, optimizer, data_gen, step, time.perf_counter() - run_start, history, tracker, cfg)
+        tracker.set_tags({"checkpoint": str(ckpt_path.resolve())})  # `modbench generate --run <id>` finds it here
         tracker.flush()
         run_id = tracker.run_id
 

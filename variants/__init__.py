@@ -4,7 +4,7 @@ Built in: ``norm``, ``linear_softmax``, ``sigmoid``, ``learned_temperature``, ``
 ``dense`` and ``random``. Add your own with ``@register_variant`` (see README).
 """
 
-from .base import QuantileThreshold, Router, Routing, VariantConfig, linear_ramp, topk_membership
+from .base import QuantileThreshold, Router, Routing, RunningMean, VariantConfig, linear_ramp, topk_membership
 from .registry import (
     ENTRY_POINT_GROUP,
     VariantSpec,
@@ -22,6 +22,7 @@ __all__ = [
     "QuantileThreshold",
     "Router",
     "Routing",
+    "RunningMean",
     "VariantConfig",
     "VariantSpec",
     "build_router",

@@ -49,13 +49,11 @@ class Routing:
     stats: dict[str, Tensor]
 
 
-class QuantileThreshold(nn.Module):
-    """Running estimate of the k-th largest score, the causal stand-in for top-k.
+class RunningMean(nn.Module):
+    """Exponential moving average of a statistic seen in training forwards.
 
-    At decode time a token cannot see the scores of later tokens, so top-k is unavailable;
-    thresholding at the training-time k-th score selects about the same fraction of tokens
-    using only the token's own score. The estimate is an exponential moving average of the
-    per-sequence k-th score, updated in training forwards (no gradient, no host sync).
+    Updated without gradient or host sync; the first observations get weight 1/n so the
+    estimate is unbiased from the start. Causal routing rules calibrate against it.
     """
 
     def __init__(self, momentum: float = 0.01) -> None:
@@ -65,11 +63,25 @@ class QuantileThreshold(nn.Module):
         self.register_buffer("count", torch.zeros(()))
 
     @torch.no_grad()
-    def update(self, kth_scores: Tensor) -> None:
-        # The first observations get weight 1/n so the estimate is unbiased from the start.
+    def reset(self) -> None:
+        """Forget the history: the next update sets the value (rate 1)."""
+        self.count.zero_()
+
+    @torch.no_grad()
+    def update(self, observed: Tensor) -> None:
         self.count.add_(1)
         rate = torch.clamp(1.0 / self.count, min=self.momentum)
-        self.value.lerp_(kth_scores.float().mean(), rate)
+        self.value.lerp_(observed.float().mean(), rate)
+
+
+class QuantileThreshold(RunningMean):
+    """Running estimate of the k-th largest score, the causal stand-in for top-k.
+
+    At decode time a token cannot see the scores of later tokens, so top-k is unavailable;
+    thresholding at the training-time k-th score selects about the same fraction of tokens
+    using only the token's own score. The estimate is an exponential moving average of the
+    per-sequence k-th score, updated in training forwards (no gradient, no host sync).
+    """
 
     def forward(self, scores: Tensor) -> Tensor:
         return scores >= self.value
@@ -80,10 +92,17 @@ class Router(nn.Module):
 
     Subclasses set ``scope`` and implement ``score`` (a (B, T) tensor whose top-k is the
     selection) and ``decide_causal``; they may override ``mix_weight`` (how the delta is
-    weighted), ``aux_losses`` and ``observe`` (per-forward bookkeeping such as calibration).
+    weighted), ``causal_weight`` (the weight when routing causally), ``aux_losses`` and
+    ``observe`` (per-forward bookkeeping such as calibration).
     """
 
     scope: ClassVar[Scope] = "block"
+    # Set by evaluation (harness.inference.causal_agreement): with collect_stats, ``route``
+    # also returns decide_causal on the same hidden state, to score it against top-k.
+    collect_causal: bool = False
+    # True during the final calibration pass (harness.inference.calibrate_causal_rules), for
+    # routers whose causal rule needs more than ``observe`` sees (see the random control).
+    calibrating: bool = False
 
     def __init__(self, config: VariantConfig) -> None:
         super().__init__()
@@ -111,6 +130,26 @@ class Router(nn.Module):
         """(B, T) bool: process this token? Uses only the token's own hidden state."""
         raise NotImplementedError
 
+    def causal_weight(self, x: Tensor, decide: Tensor) -> Tensor | None:
+        """(B, T) multiplier on the delta of causally routed tokens, or None (unweighted).
+
+        Default: ``mix_weight`` with each token as its own one-token selection, so a
+        token's weight sees only its own score — causal by construction, and exactly the
+        training weight when that weight is elementwise in the token's score (sigmoid(r),
+        sigmoid(r/τ)). A weight normalised over the selection (a softmax) would become 1
+        here: such variants override this (see ``linear_softmax``). Variants that keep
+        ``mix_weight``'s default get None without their score being computed (the
+        ``random`` control's score would draw from the global RNG). A score that reads the
+        position off ``x.shape`` cannot be used here unchanged: a KV-cached decode step
+        sees one token at a time (``harness.inference``), so override this instead.
+        """
+        if type(self).mix_weight is Router.mix_weight:
+            return None
+        s = self.score(x)
+        flat = s.reshape(-1, 1)
+        w = self.mix_weight(flat, flat)
+        return None if w is None else w.reshape(s.shape)
+
     def flops_per_token(self, d_model: int) -> tuple[float, float]:
         """(forward, backward) FLOPs per token of scoring, incl. auxiliary predictors."""
         return 0.0, 0.0
@@ -128,6 +167,8 @@ class Router(nn.Module):
             weight = weight.unsqueeze(-1)
         aux = self.aux_losses(x, scores, index) if self.training else {}
         stats = self.routing_stats(scores, index) if self.collect_stats else {}
+        if self.collect_stats and self.collect_causal:
+            stats["causal_decide"] = self.decide_causal(x)
         return Routing(index=index, weight=weight, aux_losses=aux, stats=stats)
 
     @torch.no_grad()

@@ -4,16 +4,31 @@
 plain blocks; no router exists). ``random`` keeps k uniformly random tokens per routed layer
 (a control: a learned router that cannot beat chance has learned nothing useful). Its
 randomness comes from torch's global generator, so a seed fixes it.
+
+Causal rule of ``random``: a fixed random hyperplane. The token is processed when its
+hidden state, normalised, projects onto a fixed random unit vector above a threshold: the
+k-th largest projection, averaged over the final calibration pass of training
+(``harness.inference.calibrate_causal_rules``: only then, so training steps pay nothing for
+it); before any calibration, the (1 − C)-quantile of N(0, 1/d), the projection's
+distribution for isotropic states. It is deterministic (the same token state always gets the
+same decision, so causal-mode forwards are reproducible and a perturbation after t cannot
+change anything at ≤ t), continuous in the state (a cached decode whose state differs from
+the full forward by float rounding makes the same decisions, which a hash of the state's
+bits would not), and content-blind (the direction is random, not learned). The direction
+comes from a private generator with a fixed seed, so it does not shift the initialisation
+RNG, and it is not saved (it is rebuilt identically).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Router, VariantConfig
+from .base import QuantileThreshold, Router, Routing, VariantConfig
 from .registry import register_variant
 
 
@@ -47,10 +62,23 @@ class RandomConfig(VariantConfig):
 
 class RandomRouter(Router):
     scope = "block"
+    DIRECTION_SEED = 20240402  # the causal rule's hyperplane; fixed, independent of the run seed
 
-    def __init__(self, config: RandomConfig) -> None:
+    def __init__(self, config: RandomConfig, d_model: int) -> None:
         super().__init__(config)
         self.register_buffer("fraction", torch.ones(()))
+        g = torch.Generator().manual_seed(self.DIRECTION_SEED)
+        self.register_buffer("direction", F.normalize(torch.randn(d_model, generator=g), dim=0), persistent=False)
+        self.threshold = QuantileThreshold()  # the mean over the calibration pass only
+
+    def project(self, x: Tensor) -> Tensor:
+        return F.normalize(x.float(), dim=-1) @ self.direction.float()
+
+    def route(self, x: Tensor, k: int) -> Routing:
+        routing = super().route(x, k)
+        if self.calibrating:
+            self.threshold.update(torch.topk(self.project(x), k, dim=-1).values.amin(-1))
+        return routing
 
     def score(self, x: Tensor) -> Tensor:
         return torch.rand(x.shape[:-1], device=x.device)
@@ -59,10 +87,14 @@ class RandomRouter(Router):
         self.fraction.fill_(topk_values.shape[-1] / scores.shape[-1])
 
     def decide_causal(self, x: Tensor) -> Tensor:
-        return torch.rand(x.shape[:-1], device=x.device) < self.fraction
+        z = self.project(x)
+        # Uncalibrated: P(z > τ) = fraction for z ~ N(0, 1/d) (fraction 1 → τ = −inf).
+        prior = torch.special.ndtri(1.0 - self.fraction) / math.sqrt(x.shape[-1])
+        tau = torch.where(self.threshold.count > 0, self.threshold.value, prior)
+        return z >= tau
 
 
 @register_variant("random", config=RandomConfig, source="control (uniform random top-k)")
 def build_random(d_model: int, config: RandomConfig) -> RandomRouter:
     """Control: k uniformly random tokens per routed layer, unweighted."""
-    return RandomRouter(config)
+    return RandomRouter(config, d_model)

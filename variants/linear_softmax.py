@@ -7,6 +7,15 @@ token's weight depends on later tokens: the recipe is not causal (seed 002 says 
 it). Decoding therefore uses seed 002's auxiliary router — a small MLP on the detached hidden
 state trained with BCE against top-k membership (Raposo et al. 2024 §3.5) — as the causal
 rule: process when its logit > 0.
+
+Causal weight (``causal_weight``): the softmax weight exp(r_i) / Σ_{j∈S} exp(r_j) needs the
+logits of every selected token, later ones included. Its causal stand-in keeps the
+numerator and replaces the normaliser by its training-time average: exp(r_i − log Ẑ), with
+log Ẑ a running mean of logsumexp over the selected logits seen in training forwards, and
+capped at 1 (a softmax weight never exceeds 1). Why not 1/k or the aux predictor's sigmoid:
+the LM was trained on deltas scaled by ≈ 1/k *and* ranked by the token's own logit; a
+constant 1/k drops the ranking, and the predictor's probability (≈ 0.5–1) is k times too
+large. Log Ẑ grows with k = C·T, so it is calibrated for the training sequence length.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import Router, VariantConfig, topk_membership
+from .base import Router, RunningMean, VariantConfig, topk_membership
 from .linear_router import AuxPredictor, LinearScorer
 from .registry import register_variant
 
@@ -25,12 +34,15 @@ from .registry import register_variant
 class LinearSoftmaxConfig(VariantConfig):
     aux_hidden: int = 0  # hidden width of the auxiliary predictor; 0 means d_model // 2 (seed 002)
     aux_weight: float = 1.0  # its BCE loss only trains the predictor (input detached)
+    calibration_momentum: float = 0.01  # EMA rate of the causal weight's normaliser
 
     def __post_init__(self) -> None:
         if self.aux_hidden < 0:
             raise ValueError(f"aux_hidden must be >= 0, got {self.aux_hidden}")
         if self.aux_weight < 0:
             raise ValueError(f"aux_weight must be >= 0, got {self.aux_weight}")
+        if not 0.0 < self.calibration_momentum <= 1.0:
+            raise ValueError(f"calibration_momentum must be in (0, 1], got {self.calibration_momentum}")
 
 
 class LinearSoftmaxRouter(Router):
@@ -40,6 +52,7 @@ class LinearSoftmaxRouter(Router):
         super().__init__(config)
         self.scorer = LinearScorer(d_model)
         self.aux = AuxPredictor(d_model, config.aux_hidden or max(1, d_model // 2))
+        self.log_norm = RunningMean(config.calibration_momentum)  # log Ẑ of the softmax
 
     def score(self, x: Tensor) -> Tensor:
         return self.scorer(x)
@@ -53,8 +66,14 @@ class LinearSoftmaxRouter(Router):
     def aux_weights(self, step: int) -> dict[str, float]:
         return {"aux_router_bce": self.config.aux_weight}
 
+    def observe(self, scores: Tensor, topk_values: Tensor) -> None:
+        self.log_norm.update(torch.logsumexp(topk_values.detach().float(), dim=-1))
+
     def decide_causal(self, x: Tensor) -> Tensor:
         return self.aux(x) > 0
+
+    def causal_weight(self, x: Tensor, decide: Tensor) -> Tensor:
+        return torch.exp(self.score(x).float() - self.log_norm.value).clamp(max=1.0)
 
     def flops_per_token(self, d_model: int) -> tuple[float, float]:
         f, b = LinearScorer.flops(d_model)
