@@ -230,18 +230,24 @@ def _finish(lines: list[str], data: ReportData, dest: Path, study_path, command:
         "git sha": tags.get("git_sha", "n/a"),
         "dataset": data.study.base.train.dataset,
         "dataset sha256": tags.get("dataset_sha256", "n/a"),
-        "study file": str(study_path),
+        "study file": _portable(str(study_path)),
         "study file sha256": data.study.file_sha256,
-        "Optuna storage": data.storage,
+        "Optuna storage": _portable(data.storage),
     }
     lines += ["## Environment", "", pd.DataFrame({"": list(env), "value": list(env.values())}).to_markdown(index=False), "",
               "## Reproduce", "", "```bash",
-              f"modbench study run {study_path}", command or f"modbench report {study_path}", "```", "",
+              f"modbench study run {_portable(str(study_path))}", _portable(command or f"modbench report {study_path}"), "```", "",
               "Data: `trials.csv` (every trial), `arms.csv`, `comparisons.csv`, `curves.csv` beside this file.", ""]
     path = dest / "report.md"
     text = "\n".join(lines)
     path.write_text(text)
     return path
+
+
+def _portable(text: str) -> str:
+    """Paths under the working directory written relative to it: reports travel between machines."""
+    cwd = str(Path.cwd().resolve())
+    return text.replace(cwd + "/", "")
 
 
 def command_line() -> str:
