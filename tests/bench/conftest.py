@@ -1,0 +1,190 @@
+"""Shared machinery of the speed benchmarks (pytest-benchmark).
+
+Every benchmark here is also a correctness test: with ``--benchmark-disable`` (how CI runs
+them) the timed closure runs exactly once, at full size, and the test's checks run on its
+result, so the benchmarks cannot rot. With ``--benchmark-enable`` the closure is warmed up,
+then timed for about ``budget_s`` seconds (at least ``MIN_ROUNDS`` rounds); a routed entry is
+then timed again in interleaved pairs with its dense reference (``paired_time_ratio``), the
+ratio ``harness.bench_table`` reports (see ``run_bench``).
+
+    pytest tests/bench --benchmark-enable --benchmark-json=reports/bench/cpu.json \
+        --benchmark-group-by=group
+    python -m harness.bench_table reports/bench/cpu.json --markdown reports/bench/cpu.md
+
+CPU runs use fp32 and 2 threads (the issue's reference point). CUDA runs (only where a GPU
+is present; skipped otherwise) use bf16 autocast and ``torch.compile``, synchronise after
+every call, and get extra warm-up rounds for the compilation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+CPU_THREADS = 2
+MIN_ROUNDS = 5
+MAX_ROUNDS = 100
+MIN_PAIRS, MAX_PAIRS = 3, 15  # interleaved (routed, dense) pairs when a reference is given
+CUDA_WARMUP_ROUNDS = 3  # the first calls compile
+
+DEVICES = [  # every test with a ``device`` argument runs on each (pytest_generate_tests)
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda", id="cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available"),
+    ),
+]
+
+
+def pytest_generate_tests(metafunc):
+    if "device" in metafunc.fixturenames:
+        metafunc.parametrize("device", DEVICES)
+
+
+def group_name(kind: str, seq_len: int, device: str) -> str:
+    """'block T=512 scope=block', 'model T=2048 scope=model' (+ ' device=cuda' on a GPU)."""
+    name = f"{kind} T={seq_len} scope={kind}"
+    return name if device == "cpu" else f"{name} device={device}"
+
+
+def _cpu_seconds() -> tuple[float, float, float] | None:
+    """(machine busy, machine total, this process) CPU seconds; None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is in user)
+    t = os.times()
+    return (total - idle) / hz, total / hz, t.user + t.system
+
+
+def foreign_cpu_share(before, after) -> float | None:
+    """Share of the machine's CPU used by *other* processes between two ``_cpu_seconds``.
+
+    On a shared machine another process on one of the 2 cores stalls every parallel region
+    of ours; this number says how disturbed a measurement was (0 = we were alone).
+    """
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    busy, total, own = (a - b for a, b in zip(after, before))
+    return max(0.0, min(1.0, (busy - own) / total))
+
+
+@pytest.fixture(autouse=True)
+def _bench_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(min(CPU_THREADS, os.cpu_count() or 1))
+    yield
+    torch.set_num_threads(before)
+
+
+def _synced(fn: Callable[[], object], device: str) -> Callable[[], object]:
+    if device != "cuda":
+        return fn
+
+    def call():
+        result = fn()
+        torch.cuda.synchronize()
+        return result
+
+    return call
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+@pytest.fixture
+def run_bench(benchmark):
+    """``run_bench(fn, kind=, seq_len=, device=, extra_info=, budget_s=, reference=, pair_budget_s=)``
+    -> fn's result.
+
+    Sets the group (``group_name``) and ``extra_info`` (plus kind, scope, seq_len, device,
+    threads, torch version).
+
+    Disabled: one call of ``fn``, nothing else (``reference`` is never built). Enabled:
+    warm-up (1 call on CPU, ``CUDA_WARMUP_ROUNDS`` on CUDA), then ``benchmark.pedantic`` with
+    enough rounds to fill ``budget_s``; every round is one call (iterations=1), synchronised
+    on CUDA. ``extra_info["foreign_cpu"]`` records the share of the machine's CPU that other
+    processes used during the timed rounds.
+
+    ``reference`` (a routed entry's factory of the dense closure of the same size): after the
+    rounds, ``fn`` and the reference are timed in interleaved pairs (ABBA order) for about
+    ``pair_budget_s``; ``extra_info["paired_time_ratio"]`` is the median over pairs of
+    t_fn / t_reference. On a shared or virtualised machine the speed of the whole machine
+    drifts by tens of percent over minutes (measured here: the same dense block 424-600 ms
+    with no other process running), so a ratio of two entries timed minutes apart can be off
+    by that much; a ratio of adjacent calls cannot. ``harness.bench_table`` prefers it.
+    """
+
+    def run(
+        fn: Callable[[], object], *, kind: str, seq_len: int, device: str, extra_info: dict,
+        budget_s: float, reference: Callable[[], Callable[[], object]] | None = None,
+        pair_budget_s: float = 2.0,
+    ):
+        benchmark.group = group_name(kind, seq_len, device)
+        benchmark.extra_info.update(kind=kind, scope=kind, seq_len=seq_len)
+        benchmark.extra_info.update(extra_info)
+        benchmark.extra_info["device"] = device
+        benchmark.extra_info["threads"] = torch.get_num_threads() if device == "cpu" else None
+        benchmark.extra_info["torch"] = torch.__version__
+
+        call = _synced(fn, device)
+        if benchmark.disabled:
+            return benchmark.pedantic(call, rounds=1)  # one call, no timing
+        warmup = CUDA_WARMUP_ROUNDS if device == "cuda" else 1
+        for _ in range(warmup - 1):
+            call()
+        probe = _timed(call)  # the last warm-up call, timed to size the rounds
+        rounds = max(MIN_ROUNDS, min(MAX_ROUNDS, math.ceil(budget_s / max(probe, 1e-6))))
+        benchmark.extra_info["rounds_planned"] = rounds
+        before = _cpu_seconds()
+        result = benchmark.pedantic(call, rounds=rounds, warmup_rounds=0, iterations=1)
+        share = foreign_cpu_share(before, _cpu_seconds())
+        benchmark.extra_info["foreign_cpu"] = None if share is None else round(share, 3)
+
+        if reference is not None:
+            ref = _synced(reference(), device)
+            for _ in range(warmup - 1):
+                ref()
+            ref_probe = _timed(ref)
+            pairs = max(MIN_PAIRS, min(MAX_PAIRS, math.ceil(pair_budget_s / max(probe + ref_probe, 1e-6))))
+            t_fn: list[float] = []
+            t_ref: list[float] = []
+            before = _cpu_seconds()
+            for i in range(pairs):
+                if i % 2 == 0:
+                    t_fn.append(_timed(call))
+                    t_ref.append(_timed(ref))
+                else:
+                    t_ref.append(_timed(ref))
+                    t_fn.append(_timed(call))
+            share = foreign_cpu_share(before, _cpu_seconds())
+            benchmark.extra_info.update(
+                paired_rounds=pairs,
+                paired_time_ratio=_median([a / b for a, b in zip(t_fn, t_ref)]),
+                paired_min_ratio=min(t_fn) / min(t_ref),
+                paired_fn_s=[round(t, 6) for t in t_fn],
+                paired_reference_s=[round(t, 6) for t in t_ref],
+                paired_foreign_cpu=None if share is None else round(share, 3),
+            )
+        return result
+
+    run.disabled = benchmark.disabled
+    return run

@@ -1,0 +1,124 @@
+"""Speed of a full training step (forward + backward + AdamW) of a routed GPT vs the dense one.
+
+GPT depth 4, d = 256 (4 heads of 64), the ``alternate`` pattern (D M D M: Raposo et al.
+2024 §3.4), every routed variant × C ∈ {0.125, 0.25, 0.5, 1.0} × T ∈ {512, 2048}; small
+batches (B = 4 at T = 512, B = 1 at T = 2048: 2 048 tokens a step) so the CI run stays short.
+At C = 1.0 GPT builds plain blocks (no router), so those entries time the dense model again:
+their ratio to the dense entry is the measurement noise of the run.
+
+``analytic_flops`` is ``harness.flops.model_flops(model, T).total × B`` (causal, forward +
+backward, head included; the optimizer's O(parameters) update is not counted), and
+``dense_flops`` the same for the dense GPT of the same shape. The bar (reported by
+``harness.bench_table``, not asserted): alternate, C = 0.125 reaches ≥ 85 % of the
+theoretical speed-up dense_flops / analytic_flops.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import variants
+from harness.config import RoutingConfig
+from harness.flops import model_flops
+from harness.model import GPT
+from harness.patterns import pattern_string
+from harness.profile_block import bench_config
+
+ROUTED = [v for v in variants.list_variants() if variants.build_router(v, 8).scope != "none"]
+BATCH = {512: 4, 2048: 1}
+CAPACITIES = (0.125, 0.25, 0.5, 1.0)
+PATTERN = "alternate"
+DEPTH = 4
+MAX_SEQ_LEN = 2048
+AUX_STEP = 10**6  # aux-loss weights past any warm-up: the step pays for every aux loss
+BUDGET_S = {"cpu": 1.5, "cuda": 1.0}  # pytest-benchmark rounds: seconds per entry
+PAIR_BUDGET_S = {"cpu": 3.0, "cuda": 1.0}  # then interleaved (routed, dense) pairs: see conftest
+DENSE_BUDGET_SCALE = 3  # see test_block_speed
+
+
+def _model(cfg, routing: RoutingConfig, device: str) -> GPT:
+    torch.manual_seed(0)
+    return GPT(cfg, routing).to(device).train()
+
+
+def _train_step(model: GPT, idx: torch.Tensor, targets: torch.Tensor, device: str):
+    """The timed closure: zero grads, forward (bf16 autocast + compiled on CUDA), the LM loss
+    plus the weighted aux losses, backward, AdamW step."""
+    cuda = device == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    forward = torch.compile(model, fullgraph=True) if cuda else model
+
+    def step() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
+            out = forward(idx, targets)
+        loss = out.loss
+        aux = model.weighted_aux_loss(out.aux_losses, AUX_STEP)
+        if aux is not None:
+            loss = loss + aux
+        loss.backward()
+        opt.step()
+        return out.loss.detach()
+
+    return step
+
+
+def _cases():
+    # dense, the variants, dense again (see test_block_speed._cases)
+    for T in BATCH:
+        yield pytest.param("dense", 1.0, T, 0, id=f"T{T}-dense")
+        for v in ROUTED:
+            for c in CAPACITIES:
+                yield pytest.param(v, c, T, 0, id=f"T{T}-{v}-C{c}")
+        yield pytest.param("dense", 1.0, T, 1, id=f"T{T}-dense-again")
+
+
+@pytest.mark.parametrize("variant,capacity,seq_len,repeat", list(_cases()))
+def test_model_train_step(variant, capacity, seq_len, repeat, device, run_bench):
+    if run_bench.disabled and (repeat or (capacity == 1.0 and variant != "dense")):
+        # Not worth a CI call: at C = 1.0 GPT builds exactly the dense model
+        # (tests/test_routed_block.py checks that); these entries only time the noise.
+        pytest.skip("a duplicate of the dense model, timed only when benchmarking")
+    B, T = BATCH[seq_len], seq_len
+    cfg = bench_config(max_seq_len=MAX_SEQ_LEN, depth=DEPTH)
+    model = _model(cfg, RoutingConfig(variant, capacity=capacity, pattern=PATTERN), device)
+    with torch.device("meta"):
+        dense_ref = GPT(cfg)  # FLOPs only
+    flops, dense_flops = model_flops(model, T), model_flops(dense_ref, T)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(device)
+    targets = torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(device)
+    step = _train_step(model, idx, targets, device)
+
+    def dense_reference():  # built only when benchmarking
+        return _train_step(_model(cfg, RoutingConfig("dense", capacity=1.0), device), idx, targets, device)
+
+    before = model.head.weight.detach().clone()
+    loss = run_bench(
+        step, kind="model", seq_len=T, device=device,
+        budget_s=BUDGET_S[device] * (DENSE_BUDGET_SCALE if variant == "dense" else 1),
+        reference=None if variant == "dense" else dense_reference, pair_budget_s=PAIR_BUDGET_S[device],
+        extra_info=dict(
+            variant=variant, capacity=capacity, batch=B, repeat=repeat, depth=DEPTH, d_model=cfg.width,
+            pattern=PATTERN, layers=pattern_string(model.routed_flags),
+            k=model.schedule.k(T) if any(model.routed_flags) else T,
+            analytic_flops=flops.total * B, dense_flops=dense_flops.total * B,
+            flop_ratio=flops.total / dense_flops.total, tokens=B * T,
+            tokens_processed=B * sum(flops.tokens_processed),
+            flop_convention="causal, forward + backward, head included, optimizer excluded",
+            optimizer="AdamW", dtype="bf16-autocast" if device == "cuda" else "fp32", compiled=device == "cuda",
+        ),
+    )
+
+    # The correctness half.
+    assert torch.isfinite(loss) and 4.0 < loss.item() < 7.0  # ≈ ln 256 = 5.55 at init
+    no_grad = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
+    assert no_grad == [], f"parameters without a finite gradient: {no_grad}"
+    assert not torch.equal(model.head.weight.detach(), before), "the optimizer step changed nothing"
+    routed = sum(model.routed_flags)
+    assert routed == (0 if capacity == 1.0 or variant == "dense" else DEPTH // 2)
+    if routed:
+        assert flops.total < dense_flops.total
+    else:
+        assert flops.total == dense_flops.total
