@@ -8,7 +8,8 @@ if ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
   apt-get install -y -qq postgresql >&2
 fi
 bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
-port=${MODBENCH_PG_PORT:-55432}
+# A free port, so a cluster left running elsewhere on this machine cannot collide with ours.
+port=${MODBENCH_PG_PORT:-$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 dir=$(mktemp -d /tmp/modbench-pg.XXXXXX)
 chown postgres "$dir" 2>/dev/null || true
 run() { if [ "$(id -u)" = 0 ]; then su postgres -s /bin/sh -c "$*"; else sh -c "$*"; fi; }
