@@ -170,7 +170,8 @@ class RoutedBlock(nn.Module):
             delta = self.block.delta(xs, cs, sn)
         if r.weight is not None:
             delta = delta * r.weight.to(delta.dtype)
-        out = flat.index_add(0, rows, delta.reshape(B * k, d)).view(B, T, d)
+        # Under autocast the delta leaves the linears in bf16 while the residual stream stays fp32.
+        out = flat.index_add(0, rows, delta.reshape(B * k, d).to(flat.dtype)).view(B, T, d)
         stats = dict(r.stats, layer_index=r.index) if self.router.collect_stats else r.stats
         return LayerOutput(out, r.aux_losses, stats)
 

@@ -37,10 +37,6 @@ def test_dense_model_trains_under_bf16_autocast():
     _train_step_under_autocast("dense", 1.0)
 
 
-@pytest.mark.xfail(
-    strict=True, raises=RuntimeError,
-    reason="model: RoutedBlock index_adds a bf16 delta into the fp32 residual under autocast",
-)
 @pytest.mark.parametrize("variant", ROUTED)
 def test_routed_model_trains_under_bf16_autocast(variant):
     _train_step_under_autocast(variant, 0.25)
