@@ -255,7 +255,7 @@ def profile_block(
         for _ in range(steps):
             step()
     by_shape = prof.key_averages(group_by_input_shape=True)
-    regions = region_times(by_shape)
+    regions = region_times(by_shape, full_numel=batch * seq_len * cfg.width)
     total_self = sum(regions.values())
     summary["profiled_self_cpu_ms_per_step"] = total_self / 1e3 / steps
     print(f"\ntorch.profiler, {steps} steps of forward + backward: self CPU time per step by region", file=out)
@@ -281,8 +281,13 @@ _ROUTING_OPS = {
 _MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"}
 
 
-def region_of(name: str, input_shapes: Sequence[Sequence[int]] | None) -> str:
-    """Where an op's self time belongs, from its name and (for matmuls) its input shapes."""
+def region_of(name: str, input_shapes: Sequence[Sequence[int]] | None, full_numel: int = 0) -> str:
+    """Where an op's self time belongs, from its name and input shapes.
+
+    ``full_numel`` = B·T·d: an elementwise op on a tensor that size touches the whole
+    sequence — in a routed block, the price of routing beyond its FLOPs (the out-of-place
+    ``index_add`` copy, the zero-filled gradient of ``index_select``, gradient sums).
+    """
     if name in _ROUTING_OPS:
         return "routing: top-k, sort, gather, index_select/index_add"
     if "scaled_dot_product" in name:
@@ -295,15 +300,24 @@ def region_of(name: str, input_shapes: Sequence[Sequence[int]] | None) -> str:
     if name in ("aten::gelu", "aten::gelu_backward"):
         return "GELU (forward + backward)"
     if name.startswith("aten::"):
-        return "elementwise: norms, RoPE, residual, grads, copies"
+        if full_numel and any(_numel(s) == full_numel for s in (input_shapes or [])):
+            return "elementwise on all B·T tokens: copies, zero-fill, grad sums"
+        return "elementwise on processed tokens: norms, RoPE, residual, grads"
     return "autograd engine and other framework overhead"
 
 
-def region_times(events) -> dict[str, float]:
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for v in shape:
+        n *= v
+    return n if len(shape) else 0
+
+
+def region_times(events, full_numel: int = 0) -> dict[str, float]:
     """Self CPU microseconds per ``region_of`` region (events grouped by input shape)."""
     regions: dict[str, float] = {}
     for e in events:
-        region = region_of(e.key, getattr(e, "input_shapes", None))
+        region = region_of(e.key, getattr(e, "input_shapes", None), full_numel)
         regions[region] = regions.get(region, 0.0) + e.self_cpu_time_total
     return regions
 

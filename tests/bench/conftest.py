@@ -3,9 +3,10 @@
 Every benchmark here is also a correctness test: with ``--benchmark-disable`` (how CI runs
 them) the timed closure runs exactly once, at full size, and the test's checks run on its
 result, so the benchmarks cannot rot. With ``--benchmark-enable`` the closure is warmed up,
-then timed for about ``budget_s`` seconds (at least ``MIN_ROUNDS`` rounds); a routed entry is
-then timed again in interleaved pairs with its dense reference (``paired_time_ratio``), the
-ratio ``harness.bench_table`` reports (see ``run_bench``).
+then timed for about ``budget_s`` seconds (at least ``MIN_ROUNDS`` rounds); a routed entry's
+every round is preceded by a call of its dense reference, so its time ratio comes from
+adjacent calls (``paired_time_ratio``, what ``harness.bench_table`` reports; see
+``run_bench``).
 
     pytest tests/bench --benchmark-enable --benchmark-json=reports/bench/cpu.json \
         --benchmark-group-by=group
@@ -29,7 +30,6 @@ import torch
 CPU_THREADS = 2
 MIN_ROUNDS = 5
 MAX_ROUNDS = 100
-MIN_PAIRS, MAX_PAIRS = 3, 15  # interleaved (routed, dense) pairs when a reference is given
 CUDA_WARMUP_ROUNDS = 3  # the first calls compile
 
 DEVICES = [  # every test with a ``device`` argument runs on each (pytest_generate_tests)
@@ -112,7 +112,7 @@ def _median(xs: list[float]) -> float:
 
 @pytest.fixture
 def run_bench(benchmark):
-    """``run_bench(fn, kind=, seq_len=, device=, extra_info=, budget_s=, reference=, pair_budget_s=)``
+    """``run_bench(fn, kind=, seq_len=, device=, extra_info=, budget_s=, reference=, min_rounds=)``
     -> fn's result.
 
     Sets the group (``group_name``) and ``extra_info`` (plus kind, scope, seq_len, device,
@@ -120,23 +120,26 @@ def run_bench(benchmark):
 
     Disabled: one call of ``fn``, nothing else (``reference`` is never built). Enabled:
     warm-up (1 call on CPU, ``CUDA_WARMUP_ROUNDS`` on CUDA), then ``benchmark.pedantic`` with
-    enough rounds to fill ``budget_s``; every round is one call (iterations=1), synchronised
-    on CUDA. ``extra_info["foreign_cpu"]`` records the share of the machine's CPU that other
-    processes used during the timed rounds.
+    enough rounds to fill ``budget_s`` (at least ``min_rounds``); every round is one call
+    (iterations=1), synchronised on CUDA. ``extra_info["foreign_cpu"]`` records the share of
+    the machine's CPU that other processes used during the timed rounds.
 
-    ``reference`` (a routed entry's factory of the dense closure of the same size): after the
-    rounds, ``fn`` and the reference are timed in interleaved pairs (ABBA order) for about
-    ``pair_budget_s``; ``extra_info["paired_time_ratio"]`` is the median over pairs of
-    t_fn / t_reference. On a shared or virtualised machine the speed of the whole machine
-    drifts by tens of percent over minutes (measured here: the same dense block 424-600 ms
-    with no other process running), so a ratio of two entries timed minutes apart can be off
-    by that much; a ratio of adjacent calls cannot. ``harness.bench_table`` prefers it.
+    ``reference`` (for a routed entry: a factory of the dense closure of the same size):
+    every round first calls the reference in pytest-benchmark's untimed ``setup`` — timed
+    here — then ``fn``, so each round is an adjacent (dense, routed) pair.
+    ``extra_info["paired_time_ratio"]`` = min over rounds of t_fn / min of t_reference
+    (``paired_median_ratio``: the median of the per-round ratios). On a shared, virtualised
+    machine the speed of the whole machine drifts by tens of percent over seconds to minutes
+    (measured here: the same dense block at 424-617 ms, other processes using ~1 % of the
+    CPU), so a ratio of two entries timed minutes apart (``raw_ratio`` in bench_table) is
+    off by that much; adjacent calls see the same machine. ``harness.bench_table`` reports
+    the paired ratio.
     """
 
     def run(
         fn: Callable[[], object], *, kind: str, seq_len: int, device: str, extra_info: dict,
         budget_s: float, reference: Callable[[], Callable[[], object]] | None = None,
-        pair_budget_s: float = 2.0,
+        min_rounds: int = MIN_ROUNDS,
     ):
         benchmark.group = group_name(kind, seq_len, device)
         benchmark.extra_info.update(kind=kind, scope=kind, seq_len=seq_len)
@@ -147,42 +150,45 @@ def run_bench(benchmark):
 
         call = _synced(fn, device)
         if benchmark.disabled:
-            return benchmark.pedantic(call, rounds=1)  # one call, no timing
+            return benchmark.pedantic(call, rounds=1)  # one call, no timing, no reference
+        ref = _synced(reference(), device) if reference is not None else None
         warmup = CUDA_WARMUP_ROUNDS if device == "cuda" else 1
         for _ in range(warmup - 1):
             call()
-        probe = _timed(call)  # the last warm-up call, timed to size the rounds
-        rounds = max(MIN_ROUNDS, min(MAX_ROUNDS, math.ceil(budget_s / max(probe, 1e-6))))
+            if ref is not None:
+                ref()
+        probe = _timed(call)  # the last warm-up calls, timed to size the rounds
+        if ref is not None:
+            probe += _timed(ref)
+        rounds = max(min_rounds, min(MAX_ROUNDS, math.ceil(budget_s / max(probe, 1e-6))))
         benchmark.extra_info["rounds_planned"] = rounds
+
+        t_fn: list[float] = []
+        t_ref: list[float] = []
+
+        def timed_call():
+            t0 = time.perf_counter()
+            result = call()
+            t_fn.append(time.perf_counter() - t0)
+            return result
+
+        def reference_call():  # pytest-benchmark's setup: runs before every round, untimed
+            t_ref.append(_timed(ref))
+
         before = _cpu_seconds()
-        result = benchmark.pedantic(call, rounds=rounds, warmup_rounds=0, iterations=1)
+        result = benchmark.pedantic(
+            timed_call, setup=reference_call if ref is not None else None,
+            rounds=rounds, warmup_rounds=0, iterations=1,
+        )
         share = foreign_cpu_share(before, _cpu_seconds())
         benchmark.extra_info["foreign_cpu"] = None if share is None else round(share, 3)
-
-        if reference is not None:
-            ref = _synced(reference(), device)
-            for _ in range(warmup - 1):
-                ref()
-            ref_probe = _timed(ref)
-            pairs = max(MIN_PAIRS, min(MAX_PAIRS, math.ceil(pair_budget_s / max(probe + ref_probe, 1e-6))))
-            t_fn: list[float] = []
-            t_ref: list[float] = []
-            before = _cpu_seconds()
-            for i in range(pairs):
-                if i % 2 == 0:
-                    t_fn.append(_timed(call))
-                    t_ref.append(_timed(ref))
-                else:
-                    t_ref.append(_timed(ref))
-                    t_fn.append(_timed(call))
-            share = foreign_cpu_share(before, _cpu_seconds())
+        if ref is not None:
             benchmark.extra_info.update(
-                paired_rounds=pairs,
-                paired_time_ratio=_median([a / b for a, b in zip(t_fn, t_ref)]),
-                paired_min_ratio=min(t_fn) / min(t_ref),
+                paired_rounds=len(t_fn),
+                paired_time_ratio=min(t_fn) / min(t_ref),
+                paired_median_ratio=_median([a / b for a, b in zip(t_fn, t_ref)]),
                 paired_fn_s=[round(t, 6) for t in t_fn],
                 paired_reference_s=[round(t, 6) for t in t_ref],
-                paired_foreign_cpu=None if share is None else round(share, 3),
             )
         return result
 
