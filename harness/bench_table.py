@@ -20,8 +20,8 @@ faster of the two — and reported as
   theoretical speed-up (FLOPs_dense / FLOPs_routed); 1.0 means the saving is all real;
 - gain        = (1/time ratio − 1) / (1/FLOP ratio − 1): the fraction of the theoretical
   *extra* speed-up achieved (stricter than efficiency when both are below 1);
-- others_cpu: the larger share of the machine's CPU that other processes used while the
-  routed or the dense entry was timed (tests/bench records it); above ~10 % a ratio is suspect;
+- others_cpu: the share of the machine's CPU that other processes used while the entry's
+  rounds ran (for a raw ratio, the larger of the two entries'); above ~10 % a ratio is suspect;
 - bar (reported, never asserted unless ``--fail-on-bar``): blocks at T ≥ 1024 need
   time ratio ≤ 1.15 × FLOP ratio at C = 0.5 and ≤ 1.25 × at C = 0.125; the model
   (alternate pattern, C = 0.125) needs efficiency ≥ 0.85.
@@ -107,7 +107,9 @@ def table(data: dict[str, Any], stat: str = "min") -> pd.DataFrame:
                         time_ratio, flop_ratio)
             if not math.isnan(time_ratio) and info.get("variant") != "dense" else ""
         )
-        others = [x.get("extra_info", {}).get("foreign_cpu") for x in (b, ref) if x]
+        # A paired ratio comes from this entry's own rounds; a raw one from two entries.
+        sources = (b,) if paired is not None else (b, ref)
+        others = [x.get("extra_info", {}).get("foreign_cpu") for x in sources if x]
         others = [o for o in others if o is not None]
         variant = info.get("variant", "?") + (" (repeat)" if info.get("repeat") else "")
         rows.append(dict(
@@ -174,11 +176,12 @@ def header(data: dict[str, Any], path: str, stat: str) -> str:
     cpu = m.get("cpu", {}) or {}
     bench = next((b for b in data["benchmarks"] if b.get("extra_info", {}).get("kind")), {})
     info = bench.get("extra_info", {})
-    return (
+    text = (
         f"{path}: {data.get('datetime', '?')}, {cpu.get('brand_raw', m.get('processor', '?'))}, "
         f"python {m.get('python_version', '?')}, torch {info.get('torch', '?')}, "
         f"threads {info.get('threads', '?')}; statistic: {stat} over rounds"
     )
+    return f"{text} ({data['note']})" if data.get("note") else text
 
 
 def print_rich(df: pd.DataFrame, title: str) -> None:

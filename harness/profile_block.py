@@ -260,7 +260,7 @@ def profile_block(
     summary["profiled_self_cpu_ms_per_step"] = total_self / 1e3 / steps
     print(f"\ntorch.profiler, {steps} steps of forward + backward: self CPU time per step by region", file=out)
     for name, us in sorted(regions.items(), key=lambda kv: -kv[1]):
-        print(f"  {name:<48} {us / 1e3 / steps:8.2f} ms  {us / total_self:6.1%}", file=out)
+        print(f"  {name:<64} {us / 1e3 / steps:8.2f} ms  {us / total_self:6.1%}", file=out)
     if top:
         print(f"\ntop {top} ops by {sort_by}:", file=out)
         print(prof.key_averages().table(sort_by=sort_by, row_limit=top, max_name_column_width=48), file=out)
