@@ -3,6 +3,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+BENCH  ?= cpu# results name: reports/bench/$(BENCH).json and .md (e.g. BENCH=h100 on a GPU)
 STAMP  := $(VENV)/.installed
 
 .PHONY: install quick demo test bench clean
@@ -29,8 +30,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	mkdir -p reports/bench
-	$(BIN)/python -m pytest tests/bench --benchmark-enable --benchmark-json=reports/bench/cpu.json --benchmark-group-by=group -q
-	$(BIN)/python -m harness.bench_table reports/bench/cpu.json --markdown reports/bench/cpu.md
+	$(BIN)/python -m pytest tests/bench --benchmark-enable --benchmark-json=reports/bench/$(BENCH).json --benchmark-group-by=group -q
+	$(BIN)/python -m harness.bench_table reports/bench/$(BENCH).json --markdown reports/bench/$(BENCH).md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks

@@ -19,11 +19,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import cli_demo, cli_generate, cli_report, cli_study, cli_train, cli_variants
+    from . import cli_demo, cli_generate, cli_report, cli_study, cli_train, cli_ui, cli_variants
 
     parser = _Parser(prog="modbench", description="Benchmark and ablation suite for Mixture-of-Depths routing.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for module in (cli_variants, cli_demo, cli_train, cli_study, cli_report, cli_generate):
+    for module in (cli_variants, cli_demo, cli_train, cli_study, cli_report, cli_generate, cli_ui):
         module.add_parser(sub)
     return parser
 

@@ -38,8 +38,8 @@ def run(args) -> int:
         print(f"study {outcome.name}: ran {outcome.ran} trials in {outcome.seconds:.0f}s; trials by state {outcome.counts}")
         if outcome.best:
             print(f"best so far: {outcome.best}")
-        print(f"storage: {outcome.storage}\ncompare runs: mlflow ui --backend-store-uri sqlite:///mlflow.db "
-              f"(experiment {outcome.name!r}); report: modbench report {args.study_file}")
+        print(f"storage: {outcome.storage}\ncompare runs: modbench ui {args.study_file}; "
+              f"report: modbench report {args.study_file}")
     return 0
 
 

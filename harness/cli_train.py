@@ -1,21 +1,44 @@
-"""``modbench train``: one tracked training run from flags and/or a TOML config."""
+"""``modbench train``: one tracked training run from flags and/or a TOML config.
+
+Under ``torchrun`` every process runs this command; only rank 0 prints (``harness.distributed``).
+"""
 
 from __future__ import annotations
 
 import json
+import time
 
+from . import distributed
+from .errors import ModbenchError
 from .run_config import add_config_flags, config_from_args
+
+# How long a rank other than 0 holds back its error (below); torchrun stops it sooner.
+RANK_ERROR_GRACE_S = 10.0
 
 
 def run(args) -> int:
     from .config import describe
     from .train import train
 
-    cfg = config_from_args(args)
-    if not args.quiet:
-        print(f"modbench train: {describe(cfg.model, cfg.routing)}")
-        print(cfg.to_json())
-    result = train(cfg, resume=args.resume, progress=not args.quiet)
+    main = distributed.is_main()
+    try:
+        cfg = config_from_args(args)
+        if main and not args.quiet:
+            print(f"modbench train: {describe(cfg.model, cfg.routing)}")
+            print(cfg.to_json())
+        result = train(cfg, resume=args.resume, progress=not args.quiet)
+    except ModbenchError as e:
+        if main:
+            raise
+        # Every rank runs the same flags on the same files (and logs the same all-reduced
+        # loss), so nearly always every rank raises the same error: rank 0 prints its one line
+        # and ends its MLflow run, and when it exits torchrun stops this rank. Exiting first
+        # would make torchrun stop rank 0 before it has done so. Still running after the
+        # grace period, the error is this rank's alone: it is printed then, with the rank.
+        time.sleep(RANK_ERROR_GRACE_S)
+        raise ModbenchError(f"rank {distributed.rank()}: {e}") from None
+    if not main:
+        return 0
     summary = {
         "run_id": result.run_id,
         "steps": result.steps,
@@ -37,7 +60,7 @@ def run(args) -> int:
             f"{result.tokens_per_s:,.0f} tokens/s; logging overhead {100 * result.logging_overhead:.2f}%"
         )
         if result.run_id:
-            print(f"MLflow run {result.run_id} (see it with: mlflow ui --backend-store-uri sqlite:///mlflow.db)")
+            print(f"MLflow run {result.run_id} (see it with: modbench ui)")
     return 0
 
 

@@ -7,6 +7,8 @@ from dataclasses import MISSING, fields
 
 import variants
 
+from .errors import ModbenchError, accepted
+
 
 def describe_variants(pattern: str = "*") -> list[dict]:
     rows = []
@@ -22,6 +24,10 @@ def describe_variants(pattern: str = "*") -> list[dict]:
 
 def run(args) -> int:
     rows = describe_variants(args.pattern)
+    if not rows:
+        raise ModbenchError(
+            f"no variant matches {args.pattern!r}: registered variants are {accepted(variants.list_variants())}"
+        )
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

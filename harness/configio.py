@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import tomllib
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -64,8 +64,13 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
-def from_mapping(cls: type, table: Mapping[str, Any], where: str, base: Any = None) -> Any:
-    """Build ``cls`` from ``table`` over ``base`` (an instance whose values are the defaults)."""
+def from_mapping(cls: type, table: Mapping[str, Any], where: str, base: Any = None,
+                 label: Callable[[str], str] | None = None) -> Any:
+    """Build ``cls`` from ``table`` over ``base`` (an instance whose values are the defaults).
+
+    ``label`` names a key in messages (``train.lr`` for a file, ``--lr`` for a flag).
+    """
+    label = label or (lambda key: f"{where}.{key}")
     hints = typing.get_type_hints(cls)
     known = [f.name for f in fields(cls) if f.init]
     if not isinstance(table, Mapping):
@@ -75,7 +80,7 @@ def from_mapping(cls: type, table: Mapping[str, Any], where: str, base: Any = No
             raise ModbenchError(f"{where}: unknown key {key!r}; accepted keys are {accepted(known)}")
     values = {f: getattr(base, f) for f in known} if base is not None else {}
     for key, value in table.items():
-        values[key] = coerce(value, hints[key], f"{where}.{key}")
+        values[key] = coerce(value, hints[key], label(key))
     try:
         return cls(**values)
     except ModbenchError as e:

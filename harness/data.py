@@ -114,6 +114,27 @@ class Corpus:
         return float(-(p * np.log2(p)).sum())
 
 
+def check_dataset(name: str) -> Path | None:
+    """Fail early, in one line, on a dataset that is neither built in nor a readable file.
+
+    Returns the file's path for a local file, ``None`` for a built-in name. Config
+    classes call this so a typo stops a run before anything is printed or tracked.
+    """
+    if name in KNOWN_DATASETS:
+        return None
+    path = Path(name).expanduser()
+    known = ", ".join(map(repr, KNOWN_DATASETS))  # accepted() would quote the last phrase
+    if not path.exists():
+        if os.sep in name or "." in name:
+            raise ModbenchError(f"dataset file {name!r} does not exist: give an existing file, or one of {known}")
+        raise ModbenchError(f"unknown dataset {name!r}: expected {known} or a path to a file")
+    if not path.is_file():
+        raise ModbenchError(f"dataset path {path} is not a regular file: expected a path to a file")
+    if path.stat().st_size == 0:
+        raise ModbenchError(f"dataset file {path} is empty: expected a non-empty file")
+    return path
+
+
 def load_corpus(name: str, *, root: Path | None = None, seed: int = 0,
                 arithmetic_bytes: int = 2_000_000) -> Corpus:
     """Load a corpus by name (one of ``KNOWN_DATASETS``) or from the path of a local file.
@@ -132,15 +153,7 @@ def load_corpus(name: str, *, root: Path | None = None, seed: int = 0,
         base = _ensure_dir(Path(root)) if root is not None else data_dir()
         path = _build_stdlib(base) if name == "stdlib" else _fetch(name, base)
         return _file_corpus(name, path, _sha256_cached(path))
-    path = Path(name).expanduser()
-    if not path.exists():
-        known = ", ".join(map(repr, KNOWN_DATASETS))  # accepted() would quote the last phrase
-        raise ModbenchError(f"unknown dataset {name!r}: expected {known} or a path to a file")
-    if not path.is_file():
-        raise ModbenchError(f"dataset path {path} is not a regular file: expected a path to a file")
-    if path.stat().st_size == 0:
-        raise ModbenchError(f"dataset file {path} is empty: expected a non-empty file")
-    path = path.resolve()
+    path = check_dataset(name).resolve()
     return _file_corpus(str(path), path, _sha256_memo(path, tuple(_stat_key(path))))
 
 

@@ -11,12 +11,13 @@ other routing modes of ``GPT.forward`` on the same windows — ``causal`` (each 
 by ``decide_causal``: what decoding computes) and ``dense`` (MoD switched off) — giving
 ``causal_bpb``, ``dense_bpb`` and the gaps ``causal_gap`` = causal − topk and
 ``dense_gap`` = dense − topk, plus the causal predictor's agreement with top-k, the
-realised causal fraction and the top-k leak rate (``harness.inference.causal_metrics``).
+realised causal fraction and the top-k leak rate (``harness.causal_eval.causal_metrics``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from contextlib import nullcontext
 
 import torch
@@ -41,7 +42,7 @@ def evaluate(
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         result = _evaluate(model, x, y, batch_size, device, autocast, hard_labels)
         if modes:
-            from .inference import causal_metrics
+            from .causal_eval import causal_metrics
 
             result.update(causal_metrics(model, x, y, batch_size=batch_size, device=device, autocast=autocast))
             result["causal_gap"] = result["causal_bpb"] - result["bpb"]
@@ -59,10 +60,7 @@ def _evaluate(model, x, y, batch_size, device, autocast, hard_labels) -> dict[st
     chosen = torch.zeros(len(model.routers))
     hard_total = 0.0
     try:
-        for i in range(0, x.shape[0], batch_size):
-            xb, yb = x[i : i + batch_size].to(device), y[i : i + batch_size].to(device)
-            with autocast or nullcontext():
-                out = model(xb, yb)
+        for xb, i, out in windowed_forward(model, x, y, batch_size, device, autocast):
             total += out.loss.float().item() * xb.numel()
             count += xb.numel()
             if want_routing:
@@ -87,3 +85,13 @@ def _evaluate(model, x, y, batch_size, device, autocast, hard_labels) -> dict[st
             result[f"hard_precision_L{layer}"] = precision[layer].item()
             result[f"hard_recall_L{layer}"] = recall[layer].item()
     return result
+
+
+def windowed_forward(model: GPT, x: Tensor, y: Tensor, batch_size: int, device: torch.device,
+                     autocast: torch.autocast | None = None, **forward_kwargs) -> Iterator[tuple[Tensor, int, object]]:
+    """(inputs, first window index, model output) for each batch of fixed eval windows."""
+    for i in range(0, x.shape[0], batch_size):
+        xb, yb = x[i : i + batch_size].to(device), y[i : i + batch_size].to(device)
+        with autocast or nullcontext():
+            out = model(xb, yb, **forward_kwargs)
+        yield xb, i, out

@@ -21,7 +21,8 @@ import pandas as pd
 from . import report_plots as plots
 from .report_data import ReportData, collect
 from .routing_analysis import analyse
-from .stats import compare_to_baseline, describe_comparison, holm, pareto_front, summarize
+from .stats import compare_to_baseline, holm, pareto_front, summarize
+from .stats_text import describe_comparison
 from .study_config import load_study
 
 ALPHA = 0.05
@@ -101,9 +102,10 @@ def summary_rows(arms: pd.DataFrame, comp: pd.DataFrame) -> tuple[pd.DataFrame, 
 
 
 def build_report(study_path: str | Path, *, storage: str | None = None, out_dir: str | Path = "runs/studies",
-                 reports_dir: str | Path = "reports", uri: str | None = None, command: str | None = None) -> Path:
+                 reports_dir: str | Path = "reports", uri: str | None = None, command: str | None = None,
+                 progress: bool = False) -> Path:
     study = load_study(study_path)
-    data = collect(study, storage=storage, out_dir=out_dir, uri=uri)
+    data = collect(study, storage=storage, out_dir=out_dir, uri=uri, progress=progress)
     dest = Path(reports_dir) / study.name
     dest.mkdir(parents=True, exist_ok=True)
     data.trials.to_csv(dest / "trials.csv", index=False)
@@ -165,7 +167,7 @@ def build_report(study_path: str | Path, *, storage: str | None = None, out_dir:
     lines += ["## Throughput", "", "Measured training throughput; FLOPs are analytic (see harness/flops.py).", "",
               "![throughput](throughput.png)", ""]
     lines += _causal_section(data)
-    lines += _routing_section(data, dest, Path(out_dir) / study.name / "trials")
+    lines += _routing_section(data, dest, Path(out_dir) / study.name / "trials", progress)
     return _finish(lines, data, dest, study_path, command)
 
 
@@ -182,12 +184,15 @@ def _causal_section(data: ReportData) -> list[str]:
             "top-k leak rate (how often future tokens change a past routing decision).", "", md_table(t), ""]
 
 
-def _routing_section(data: ReportData, dest: Path, trials_dir: Path) -> list[str]:
+def _routing_section(data: ReportData, dest: Path, trials_dir: Path, progress: bool = False) -> list[str]:
+    from tqdm.auto import tqdm
+
     routed = data.done[data.done.variant != "dense"].sort_values("seed")
     if routed.empty:
         return []
     positions, classes, overlaps = [], [], []
-    for arm, g in routed.groupby("arm"):
+    arms = routed.groupby("arm")
+    for arm, g in tqdm(arms, total=arms.ngroups, desc="routing analysis", unit="arm", disable=not progress):
         ckpt = trials_dir / f"trial-{int(g.iloc[0]['number'])}" / "checkpoint.pt"
         if not ckpt.is_file():
             continue

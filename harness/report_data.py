@@ -52,7 +52,8 @@ def _label(row: pd.Series, varying: set[str]) -> str:
     return " ".join(parts)
 
 
-def collect(study: Study, *, storage: str | None = None, out_dir: str | Path = "runs/studies", uri: str | None = None) -> ReportData:
+def collect(study: Study, *, storage: str | None = None, out_dir: str | Path = "runs/studies", uri: str | None = None,
+            progress: bool = False) -> ReportData:
     url = storage or default_storage(study, out_dir)
     trials = trials_frame(study.name, url)
     done = trials[trials.state == "COMPLETE"].copy()
@@ -65,16 +66,17 @@ def collect(study: Study, *, storage: str | None = None, out_dir: str | Path = "
     varying = {k for k in ARM_KEYS if done[k].astype(str).nunique() > 1}
     done["arm"] = done.apply(_label, axis=1, varying=varying) if len(done) else pd.Series(dtype=str)
     done["group"] = done.apply(lambda r: " ".join(f"{k}={r[k]}" for k in GROUP_KEYS if k in varying) or "all", axis=1) if len(done) else pd.Series(dtype=str)
-    curves, tags = _from_mlflow(done, study.name, uri or tracking_uri())
+    curves, tags = _from_mlflow(done, study.name, uri or tracking_uri(), progress)
     return ReportData(study, url, trials, done, curves, tags)
 
 
-def _from_mlflow(done: pd.DataFrame, experiment: str, uri: str) -> tuple[pd.DataFrame, dict[str, str]]:
+def _from_mlflow(done: pd.DataFrame, experiment: str, uri: str, progress: bool = False) -> tuple[pd.DataFrame, dict[str, str]]:
     from mlflow.tracking import MlflowClient
+    from tqdm.auto import tqdm
 
     client = MlflowClient(uri)
     rows, tags = [], {}
-    for idx, trial in done.iterrows():
+    for idx, trial in tqdm(done.iterrows(), total=len(done), desc="reading MLflow runs", unit="run", disable=not progress):
         run_id = trial.get("mlflow_run_id")
         if not isinstance(run_id, str):
             continue

@@ -21,6 +21,7 @@ from .budget import Budget
 from .capacity import check_capacity
 from .config import ModelConfig, RoutingConfig
 from .configio import from_mapping, parse_literal, read_toml
+from .data import check_dataset
 from .errors import ModbenchError, accepted
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -54,6 +55,7 @@ class TrainConfig:
     track: bool = True
 
     def __post_init__(self) -> None:
+        check_dataset(self.dataset)
         Budget.parse(self.budget)
         for name in ("seq_len", "batch_size", "grad_accum", "eval_windows", "log_every", "eval_every"):
             if getattr(self, name) < 1:
@@ -154,7 +156,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     if options:
         data["routing"]["options"] = options
     sections = {
-        s: from_mapping(cls, data[s], f"--{s} flags", base=getattr(base, s) if base else cls())
+        s: from_mapping(cls, data[s], f"[{s}] flags", base=getattr(base, s) if base else cls(),
+                        label=lambda key: "--" + key.replace("_", "-"))
         for s, cls in SECTIONS.items()
     }
     return RunConfig(**sections)

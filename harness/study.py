@@ -70,14 +70,29 @@ def open_storage(url: str, experiment: str, *, heartbeat: int, grace: int, max_r
                 fail_stale_runs(experiment, run_ids=[run_id])
             retry(study, trial)
 
-        try:
-            return optuna.storages.RDBStorage(
-                url, heartbeat_interval=heartbeat, grace_period=grace, heartbeat_stale_trial_callback=on_stale,
-                engine_kwargs={"pool_pre_ping": True},
-            )
-        except Exception as e:  # sqlalchemy raises many kinds; the user needs the URL and the reason
-            reason = str(e).splitlines()[0][:200]
-            raise ModbenchError(f"cannot open Optuna storage {url!r}: {reason}") from None
+        return connect_storage(url, heartbeat_interval=heartbeat, grace_period=grace,
+                               heartbeat_stale_trial_callback=on_stale)
+
+
+def connect_storage(url: str, **kwargs) -> optuna.storages.RDBStorage:
+    """Optuna's RDB storage at ``url``; an unreachable or malformed URL is a one-line error."""
+    try:
+        return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True}, **kwargs)
+    except Exception as e:  # sqlalchemy raises many kinds; the user needs the URL and the reason
+        reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)[:200]
+        raise ModbenchError(
+            f"cannot open Optuna storage {_hide_password(url)!r}: {reason}; check the URL and that the database "
+            "server is running (e.g. postgresql+psycopg://user@host:5432/db or sqlite:///path/optuna.db)"
+        ) from None
+
+
+def _hide_password(url: str) -> str:
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not even a URL: show it as given
+        return url
 
 
 def make_sampler(study: Study) -> optuna.samplers.BaseSampler:
@@ -363,9 +378,10 @@ def trials_frame(name: str, storage: str):
     import pandas as pd
 
     try:
-        study = optuna.load_study(study_name=name, storage=storage)
+        study = optuna.load_study(study_name=name, storage=connect_storage(storage))
     except KeyError:
-        raise ModbenchError(f"no study named {name!r} in {storage}") from None
+        raise ModbenchError(f"no study named {name!r} in {_hide_password(storage)}: run 'modbench study run "
+                            "<study file>' first, or pass the --storage it ran on") from None
     columns = ["number", "state", "arm", "seed", *OBJECTIVES, "steps", "mlflow_run_id", "worker"]
     rows = []
     for t in study.get_trials(deepcopy=False):

@@ -19,10 +19,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import re
 import socket
-import subprocess
 import tempfile
 import time
 from contextlib import contextmanager
@@ -30,8 +28,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from harness import __version__
 from harness.errors import ModbenchError, accepted
+from harness.provenance import environment_tags
 
 # MLflow's limits (mlflow/utils/validation.py); a log_batch call exceeding them is refused.
 MAX_PARAMS_PER_BATCH = 100
@@ -52,7 +50,6 @@ _NETWORK_DEFAULT_PORTS = {
     "mssql": 1433,
 }
 _CONNECT_TIMEOUT_S = 5.0
-_PKG_DIR = Path(__file__).resolve().parent
 
 
 # --------------------------------------------------------------------------- URIs / tags
@@ -76,50 +73,6 @@ def _sqlite_db_path(uri: str) -> Path | None:
     if not raw or raw == ":memory:":
         return None
     return (Path.cwd() / raw).resolve()
-
-
-def _git(*args: str) -> str | None:
-    try:
-        proc = subprocess.run(
-            ["git", *args],
-            cwd=_PKG_DIR,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return proc.stdout.strip() if proc.returncode == 0 else None
-
-
-def git_sha() -> str:
-    """Commit of the repository containing this package, ``-dirty`` when tracked files
-    have uncommitted changes; ``unknown`` outside a git checkout (for example a wheel
-    installed into a virtualenv that happens to sit inside some other repository)."""
-    sha = _git("rev-parse", "HEAD")
-    if not sha or _git("ls-files", "--error-unmatch", "__init__.py") is None:
-        return "unknown"
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    return sha + "-dirty" if status else sha
-
-
-def environment_tags() -> dict[str, str]:
-    """Tags describing where a run came from: git sha, torch/python/modbench versions,
-    platform and hostname."""
-    try:
-        import torch
-
-        torch_version = str(torch.__version__)
-    except ImportError:  # pragma: no cover - torch is a hard dependency
-        torch_version = "unavailable"
-    return {
-        "git_sha": git_sha(),
-        "torch_version": torch_version,
-        "python_version": platform.python_version(),
-        "platform": platform.platform(),
-        "modbench_version": __version__,
-        "hostname": socket.gethostname(),
-    }
 
 
 # --------------------------------------------------------------------------- helpers
@@ -178,14 +131,20 @@ def _connect(uri: str):
     return client
 
 
-def _artifact_location(uri: str, experiment: str) -> str | None:
-    """``<dir of mlflow.db>/mlartifacts/<experiment>`` for a SQLite store; None (the
-    server decides) otherwise."""
+def artifact_root(uri: str) -> str | None:
+    """``<dir of mlflow.db>/mlartifacts`` for a SQLite store, where every experiment keeps
+    its artifacts; None (the server decides) otherwise."""
     db = _sqlite_db_path(uri)
-    if db is None:
+    return None if db is None else (db.parent / "mlartifacts").as_posix()
+
+
+def _artifact_location(uri: str, experiment: str) -> str | None:
+    """``<artifact_root>/<experiment>`` for a SQLite store; None otherwise."""
+    root = artifact_root(uri)
+    if root is None:
         return None
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", experiment).strip("._") or "experiment"
-    return (db.parent / "mlartifacts" / slug).as_posix()
+    return f"{root}/{slug}"
 
 
 def _get_or_create_experiment(client, name: str, uri: str) -> str:

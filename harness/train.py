@@ -5,6 +5,12 @@ model's analytic FLOPs (iso-FLOP: a cheaper MoD model trains more steps), and ru
 warm-up + cosine decay and gradient clipping. Router parameters sit in their own group
 without weight decay. Seeds fix data order, initialisation and routing; CPU reruns give the
 same losses bit for bit, and ``resume=True`` continues from the last checkpoint exactly.
+
+Under ``torchrun`` (``harness.distributed``) one run trains data-parallel: ``batch_size`` is
+the global batch, every process draws it from the same seeded stream and trains on its own
+contiguous slice, DDP averages the gradients, so each update is the single-process update on
+the global batch and the budget resolves to the same number of steps. Rank 0 alone tracks,
+evaluates, prints and writes checkpoints.
 """
 
 from __future__ import annotations
@@ -20,13 +26,14 @@ from typing import Any
 
 import torch
 
+from . import distributed
 from .budget import Budget
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import lr_scale, wd_scale
 from .data import Corpus, eval_windows, eval_windows_with_labels, get_batch, load_corpus
 from .errors import ModbenchError
 from .evaluate import evaluate
-from .inference import calibrate_causal_rules
+from .causal_eval import calibrate_causal_rules
 from .model import GPT, RoutedBlock
 from .patterns import pattern_string
 from .run_config import RunConfig
@@ -123,12 +130,26 @@ def train(
     progress: bool = True,
     on_eval: Callable[[int, dict[str, float]], None] | None = None,
 ) -> TrainResult:
+    """Train one run; under torchrun, data-parallel over its processes (see the module doc).
+
+    Every rank returns rank 0's result. ``tracker``, ``progress`` and ``on_eval`` only
+    act on rank 0.
+    """
+    device = resolve_device(cfg.train.device)
+    distributed.check_batch_size(cfg.train.batch_size)  # before any process waits for another
+    with distributed.process_group(device) as device:
+        return _train(cfg, device, tracker=tracker, resume=resume, progress=progress, on_eval=on_eval)
+
+
+def _train(cfg: RunConfig, device: torch.device, *, tracker: Any, resume: bool, progress: bool,
+           on_eval: Callable[[int, dict[str, float]], None] | None) -> TrainResult:
     t = cfg.train
-    device = resolve_device(t.device)
+    main = distributed.is_main()
     torch.manual_seed(t.seed)
     corpus = load_corpus(t.dataset, seed=t.seed)
     model = GPT(cfg.model, cfg.routing).to(device)
-    fwd_model = torch.compile(model) if t.compile else model
+    step_model = _data_parallel(model, device)  # `model` stays the plain GPT: its methods, eval, saving
+    fwd_model = torch.compile(step_model) if t.compile else step_model
     optimizer = build_optimizer(model, cfg)
     base_lrs = [g["lr"] for g in optimizer.param_groups]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
@@ -159,6 +180,10 @@ def train(
         if start_step >= (total_steps or math.inf):
             raise ModbenchError(f"run {run_dir.name} already finished its {total_steps} steps: nothing to resume")
 
+    if not main:
+        from .tracking import NullTracker
+
+        tracker = NullTracker()  # one MLflow run per trial, written by rank 0
     owns_tracker = tracker is None  # a caller's tracker is started and ended by the caller
     if owns_tracker:
         from .tracking import NullTracker, Tracker
@@ -181,7 +206,7 @@ def train(
             tracker.set_tags({"dataset_sha256": corpus.sha256, "device": _device_name(device), "dataset": t.dataset})
             tracker.log_dict(cfg.to_toml_dict(), "config.json")
 
-        bar = _progress(progress, total_steps, start_step, run_dir.name)
+        bar = _progress(progress and main, total_steps, start_step, run_dir.name)
         step = start_step
         t_train = 0.0  # wall time in training steps, excluding evaluation
         window_steps, window_start = 0, time.perf_counter()
@@ -190,7 +215,9 @@ def train(
         run_start = time.perf_counter() - elapsed_before
 
         while True:
-            elapsed = time.perf_counter() - run_start
+            # A time budget must stop every rank at the same step and give each the same LR.
+            elapsed = distributed.broadcast_float(time.perf_counter() - run_start) if total_steps is None \
+                else time.perf_counter() - run_start
             if total_steps is not None and step >= total_steps:
                 break
             if total_steps is None and elapsed >= budget.amount:
@@ -202,14 +229,18 @@ def train(
             step_start = time.perf_counter()
             stats: list[dict[str, torch.Tensor]] = []
             for micro in range(t.grad_accum):
+                # Every rank draws the whole global batch (same generator, same state) and keeps
+                # its own slice, so the data order is the single-process one at any world size.
                 x, y = get_batch(corpus.train, t.batch_size, t.seq_len, data_gen)
+                x, y = distributed.local_slice(x), distributed.local_slice(y)
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 model.set_collect_stats(log_now and micro == 0)
-                with autocast or nullcontext():
-                    out = fwd_model(x, y)
-                aux = model.weighted_aux_loss(out.aux_losses, step)
-                loss = out.loss if aux is None else out.loss + aux
-                (loss / t.grad_accum).backward()
+                with _grad_sync(step_model, micro + 1 == t.grad_accum):
+                    with autocast or nullcontext():
+                        out = fwd_model(x, y)
+                    aux = model.weighted_aux_loss(out.aux_losses, step)
+                    loss = out.loss if aux is None else out.loss + aux
+                    (loss / t.grad_accum).backward()
                 lm_acc += out.loss.detach() / t.grad_accum
                 for k, v in out.aux_losses.items():
                     aux_acc[k] = aux_acc.get(k, 0.0) + v.detach() / t.grad_accum
@@ -226,7 +257,8 @@ def train(
             t_train += time.perf_counter() - step_start
 
             if log_now:
-                loss_value = lm_acc.item() / window_steps
+                lm_mean, aux_mean, stats = _mean_logged(lm_acc, aux_acc, stats)
+                loss_value = lm_mean.item() / window_steps
                 if not math.isfinite(loss_value):
                     raise TrainingDiverged(
                         f"training loss became {loss_value} at step {step}: lower --lr (now {t.lr:g}) "
@@ -244,7 +276,7 @@ def train(
                     "perf/cum_flops": step * tokens_per_step * flops_per_token,
                     "perf/peak_mem_mb": peak_memory_mb(device),
                 }
-                for k, v in aux_acc.items():
+                for k, v in aux_mean.items():
                     metrics[f"train/aux/{k}"] = v.item() / window_steps
                 peak = peak_flops(device)
                 if peak:
@@ -260,8 +292,12 @@ def train(
                 window_steps, window_start = 0, time.perf_counter()
 
             if t.checkpoint_every and step % t.checkpoint_every == 0:
-                _save(ckpt_path, model, optimizer, data_gen, step, time.perf_counter() - run_start, history, tracker, cfg)
-            if step % t.eval_every == 0 and (total_steps is None or step < total_steps):
+                _sync_router_stats(model)
+                if main:
+                    _save(ckpt_path, model, optimizer, data_gen, step, time.perf_counter() - run_start, history, tracker, cfg)
+            # Rank 0 evaluates the plain module on the whole eval set (single-process numbers);
+            # the others go on and wait for it at the next gradient all-reduce.
+            if main and step % t.eval_every == 0 and (total_steps is None or step < total_steps):
                 val = evaluate(model, val_x, val_y, batch_size=t.batch_size, device=device, autocast=autocast, hard_labels=val_hard)
                 tracker.log_metrics({f"val/{k}": v for k, v in val.items()}, step)
                 history.append({"step": step, **{f"val/{k}": v for k, v in val.items()}})
@@ -270,9 +306,11 @@ def train(
                 window_start = time.perf_counter()
             bar.update(1)
         bar.close()
+        if not main:
+            return distributed.broadcast_object(None)  # rank 0's result, once it has finished
 
         # The causal rules' running thresholds lag behind drifting scores: re-estimate them on the
-        # final weights from training batches of their own stream (harness.inference), then the
+        # final weights from training batches of their own stream (harness.causal_eval), then the
         # final validation also scores the causal and dense routing modes (train/inference gap).
         calib_gen = torch.Generator().manual_seed(t.seed + CALIBRATION_SEED_OFFSET)
         calibrate_causal_rules(
@@ -296,7 +334,7 @@ def train(
         tracker.flush()
         run_id = tracker.run_id
 
-    return TrainResult(
+    result = TrainResult(
         run_id=run_id,
         steps=step,
         tokens=tokens_done,
@@ -309,6 +347,56 @@ def train(
         history=history,
         checkpoint=ckpt_path,
     )
+    return distributed.broadcast_object(result)
+
+
+def _data_parallel(model: GPT, device: torch.device) -> torch.nn.Module:
+    """``model`` wrapped in DDP under torchrun, else ``model`` itself.
+
+    Buffers are not synchronised in the forward pass: the only buffers that change in
+    training are the routers' running means (causal thresholds, linear_softmax's log Ẑ),
+    which no training forward reads. Each rank keeps the running mean of its own slices and
+    ``_sync_router_stats`` averages them before they are saved; the update is linear in the
+    observed batch mean and the rates depend only on the step, so that average is the
+    single-process running mean of the global batches (broadcasting rank 0's buffers would
+    keep the statistic of rank 0's slices only). The final calibration (rank 0, whole
+    batches) resets them anyway.
+    """
+    if not distributed.is_distributed():
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    # forward_sync_buffers=False (torch >= 2.13; broadcast_buffers is deprecated) still syncs
+    # the buffers once at construction, which is harmless: every rank built the same ones.
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   forward_sync_buffers=False)
+
+
+def _grad_sync(step_model: torch.nn.Module, last_micro: bool):
+    """All-reduce gradients only after the last micro-batch of a step (DDP ``no_sync``)."""
+    if last_micro or not hasattr(step_model, "no_sync"):
+        return nullcontext()
+    return step_model.no_sync()
+
+
+def _sync_router_stats(model: GPT) -> None:
+    """Make every rank's router running means the global-batch ones (see ``_data_parallel``)."""
+    distributed.average_buffers(model.routers)
+
+
+def _mean_logged(lm_acc: torch.Tensor, aux_acc: dict[str, torch.Tensor], stats: list[dict[str, torch.Tensor]]):
+    """The logged training scalars averaged over ranks: every rank saw an equal slice, so the
+    mean of the slice means is the global-batch mean. One all-reduce for all of them."""
+    if not distributed.is_distributed():
+        return lm_acc, aux_acc, stats
+    keys = ("fraction", "mean_position", "score_entropy")
+    parts = [lm_acc.reshape(1), *(v.reshape(1) for v in aux_acc.values()),
+             *(s[k].reshape(1).to(lm_acc) for s in stats for k in keys)]
+    mean = distributed.mean_over_ranks(torch.cat([p.float() for p in parts])).unbind()
+    lm, rest = mean[0], list(mean[1:])
+    aux = {k: rest.pop(0) for k in aux_acc}
+    stats = [{k: rest.pop(0) for k in keys} for _ in stats]
+    return lm, aux, stats
 
 
 def _eval_set(corpus: Corpus, split: str, t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

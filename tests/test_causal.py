@@ -15,7 +15,8 @@ import variants
 from harness.cli import main
 from harness.config import ModelConfig, RoutingConfig
 from harness.evaluate import evaluate
-from harness.inference import Decoder, calibrate_causal_rules, causal_agreement, generate, leak_rate
+from harness.causal_eval import calibrate_causal_rules, causal_agreement, leak_rate
+from harness.inference import Decoder, generate
 from harness.model import GPT, RoutedBlock
 from harness.run_config import RunConfig, TrainConfig
 from harness.train import train

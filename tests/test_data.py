@@ -490,7 +490,7 @@ def test_unknown_name_lists_known_datasets(tmp_path):
         D.load_corpus("foo")
     assert one_line(exc) == ("unknown dataset 'foo': expected 'stdlib', 'tinyshakespeare', "
                              "'enwik8', 'arithmetic' or a path to a file")
-    with pytest.raises(ModbenchError, match="unknown dataset"):
+    with pytest.raises(ModbenchError, match="dataset file .* does not exist: give an existing file"):
         D.load_corpus(str(tmp_path / "missing.txt"))
 
 

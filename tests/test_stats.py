@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 from scipy import stats as sps
 
 from harness.errors import ModbenchError
+from harness.stats_text import describe_comparison
 from harness.stats import (
     COMPARISON_COLUMNS,
     SUMMARY_COLUMNS,
     benjamini_hochberg,
     compare_to_baseline,
-    describe_comparison,
     hedges_g,
     holm,
     mwu_min_p,

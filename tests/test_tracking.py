@@ -13,15 +13,15 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from harness import tracking
+from harness import provenance, tracking
 from harness.errors import ModbenchError
+from harness.provenance import environment_tags
 from harness.heatmap import routing_heatmap, routing_heatmap_figure, routing_mask
 from harness.tracking import (
     HEARTBEAT_TAG,
     PARENT_RUN_TAG,
     NullTracker,
     Tracker,
-    environment_tags,
     fail_stale_runs,
     tracking_uri,
 )
@@ -177,17 +177,17 @@ def test_git_sha_clean_dirty_and_outside_checkout(tmp_path, monkeypatch):
         [*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True
     ).stdout.strip()
 
-    monkeypatch.setattr(tracking, "_PKG_DIR", pkg)
-    assert tracking.git_sha() == head
+    monkeypatch.setattr(provenance, "_PKG_DIR", pkg)
+    assert provenance.git_sha() == head
     (pkg / "notes.txt").write_text("untracked files do not make a checkout dirty")
-    assert tracking.git_sha() == head
+    assert provenance.git_sha() == head
     (pkg / "__init__.py").write_text("x = 2\n")
-    assert tracking.git_sha() == head + "-dirty"
+    assert provenance.git_sha() == head + "-dirty"
 
     elsewhere = tmp_path / "not-a-repo"
     elsewhere.mkdir()
-    monkeypatch.setattr(tracking, "_PKG_DIR", elsewhere)
-    assert tracking.git_sha() == "unknown"
+    monkeypatch.setattr(provenance, "_PKG_DIR", elsewhere)
+    assert provenance.git_sha() == "unknown"
 
 
 # --------------------------------------------------------------------------- statuses

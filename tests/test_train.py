@@ -174,7 +174,7 @@ def test_cli_config_file_and_flags(tmp_cwd, capsys):
     "argv,message",
     [
         (["--dataset", "wikitext"], "unknown dataset 'wikitext'"),
-        (["--dataset", "no/such/file.txt"], "unknown dataset 'no/such/file.txt'"),
+        (["--dataset", "no/such/file.txt"], "dataset file 'no/such/file.txt' does not exist"),
         (["--budget", "flops=0"], "must be positive"),
         (["--budget", "flops=-1e12"], "budget"),
         (["--capacity", "1.5"], "expected a fraction in (0, 1]"),
