@@ -90,7 +90,7 @@ def throughput_bars(arms: pd.DataFrame, path: Path) -> Path:
     fig = Figure(figsize=(7, max(3, 0.3 * len(arms) + 1)))
     ax = fig.add_subplot()
     ax.barh(arms["arm"], arms["tokens_per_s"], color=["black" if v == "dense" else "tab:blue" for v in arms.variant])
-    ax.set_xlabel("training tokens / s (mean over seeds)")
+    ax.set_xlabel("training tokens / s (fastest seed)")
     ax.tick_params(axis="y", labelsize=7)
     ax.grid(alpha=0.3, axis="x")
     return _save(fig, path)

@@ -87,3 +87,15 @@ def test_report_of_unknown_study_is_a_clear_error(tmp_cwd, capsys):
     path = study_file(tmp_cwd, "never_ran")
     rc = main(["report", str(path), "--storage", f"sqlite:///{tmp_cwd}/none.db"])
     assert rc == 2 and "no study named 'never_ran'" in capsys.readouterr().err
+
+
+def test_throughput_caveat_comes_from_the_seed_spread():
+    import pandas as pd
+
+    from harness.report import _throughput_caveat
+
+    quiet = pd.DataFrame({"arm": ["dense", "norm C=0.25"], "tokens_per_s_spread": [1.05, 1.2]})
+    assert _throughput_caveat(quiet) == []
+    busy = pd.DataFrame({"arm": ["dense", "norm C=0.25", "sigmoid C=0.5"], "tokens_per_s_spread": [1.05, 3.4, 1.6]})
+    text = " ".join(_throughput_caveat(busy))
+    assert "2 of 3 arms" in text and "worst: norm C=0.25, 3.40×" in text and "reports/bench" in text
