@@ -149,7 +149,9 @@ def test_killed_worker_trial_is_retried_and_its_mlflow_run_failed(tmp_path):
 @pytest.mark.skipif(not POSTGRES, reason="set MODBENCH_TEST_POSTGRES_URL (CI starts PostgreSQL on 127.0.0.1)")
 def test_two_workers_on_postgresql_run_every_trial_exactly_once(tmp_path):
     name = f"pg_two_workers_{os.getpid()}_{int(time.time())}"
-    path = smoke_variant(tmp_path, name, steps=20, seeds=(0, 1, 2))
+    # Trials long enough (~4 s each on 2 cores) that the second worker, which needs a few
+    # seconds to import torch and join, cannot find the queue already emptied by the first.
+    path = smoke_variant(tmp_path, name, steps=60, seeds=(0, 1, 2))
     args = ["study", "run", str(path), "--storage", POSTGRES, "--quiet"]
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
     workers = [cli(*args, cwd=tmp_path, env=env, wait=False) for _ in range(2)]
