@@ -35,7 +35,8 @@ from .tracking import Tracker, fail_stale_runs, tracking_uri
 from .train import train
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-PARENT_ATTR = "mlflow_parent_run_id"
+PARENT_ATTR = "mlflow_parent_run_id"  # set once the study is fully created (see _create_or_load)
+CREATION_WAIT_S = 300.0  # how long a worker waits for another to finish creating the study
 
 
 @dataclass
@@ -176,20 +177,27 @@ class Runner:
                                "study.seeds": s.settings.seeds, "study.objectives": s.settings.objectives,
                                "study.file_sha256": s.file_sha256, **{f"base.{k}": v for k, v in s.base.to_dict().items()}})
             parent.flush()
-            study.set_user_attr(PARENT_ATTR, parent.run_id)
             if s.settings.sampler == "grid":
                 for arm in s.arms():
                     for seed in s.settings.seeds:
                         study.enqueue_trial(arm_params(arm), user_attrs={"seed": seed, "arm": arm.label})
+            # Set last: it tells the other workers the study is complete (parent run and the
+            # whole grid queued). Set earlier, a worker could find an empty queue and stop.
+            study.set_user_attr(PARENT_ATTR, parent.run_id)
         else:
             if study.directions != [optuna.study.StudyDirection.MINIMIZE if d == "minimize" else optuna.study.StudyDirection.MAXIMIZE for d in s.directions]:
                 raise ModbenchError(f"study {s.name!r} in {self.storage_url} has other objectives than {s.path}: give the study a new name")
             if study.user_attrs.get("study_file_sha256") != s.file_sha256:
                 logging.getLogger("modbench").warning("%s changed since the study was created; finished trials keep their settings", s.path)
-            for _ in range(100):  # a worker that lost the creation race waits for the parent run
-                if PARENT_ATTR in study.user_attrs:
-                    break
-                time.sleep(0.1)
+            deadline = time.monotonic() + CREATION_WAIT_S
+            while PARENT_ATTR not in study.user_attrs:  # a worker that lost the creation race waits
+                if time.monotonic() > deadline:
+                    raise ModbenchError(
+                        f"study {s.name!r} in {_hide_password(self.storage_url)} was created but never finished "
+                        f"initialising (its creating worker may have died within {CREATION_WAIT_S:g} s): "
+                        f"delete it (optuna delete-study --study-name {s.name} --storage URL) or rename the study"
+                    )
+                time.sleep(0.2)
                 study = optuna.load_study(storage=self.storage, study_name=s.name, sampler=kwargs["sampler"], pruner=kwargs["pruner"])
         return study
 

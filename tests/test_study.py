@@ -160,7 +160,7 @@ def test_two_workers_on_postgresql_run_every_trial_exactly_once(tmp_path):
     df = trials_frame(name, POSTGRES)
     assert len(df) == 6 and (df.state == "COMPLETE").all()
     exactly_once(df)
-    assert df.worker.nunique() == 2, f"one worker did everything: {df.worker.value_counts().to_dict()}"
+    assert df.worker.nunique() == 2, f"one worker did everything: {df.worker.value_counts().to_dict()}; outputs: {outputs}"
 
 
 BAD = {
