@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -151,3 +151,32 @@ def _collective_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def wrap_model(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` wrapped in DistributedDataParallel inside a group, else ``model`` itself.
+
+    Buffers are not synchronised in the forward pass: the only buffers that change in
+    training are the routers' running means (causal thresholds, linear_softmax's log Ẑ),
+    which no training forward reads. Each rank keeps the running mean of its own slices and
+    the trainer calls :func:`average_buffers` on the routers before saving; the update is
+    linear in the observed batch mean and the rates depend only on the step, so that average
+    is the single-process running mean of the global batches (broadcasting rank 0's buffers
+    would keep the statistic of rank 0's slices only). The final calibration (rank 0, whole
+    batches) resets them anyway.
+    """
+    if not is_distributed():
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    # forward_sync_buffers=False (torch >= 2.13; broadcast_buffers is deprecated) still syncs
+    # the buffers once at construction, which is harmless: every rank built the same ones.
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   forward_sync_buffers=False)
+
+
+def grad_sync(step_model: nn.Module, last_micro: bool) -> AbstractContextManager:
+    """All-reduce gradients only after the last micro-batch of a step (DDP ``no_sync``)."""
+    if last_micro or not hasattr(step_model, "no_sync"):
+        return nullcontext()
+    return step_model.no_sync()

@@ -148,7 +148,7 @@ def _train(cfg: RunConfig, device: torch.device, *, tracker: Any, resume: bool, 
     torch.manual_seed(t.seed)
     corpus = load_corpus(t.dataset, seed=t.seed)
     model = GPT(cfg.model, cfg.routing).to(device)
-    step_model = _data_parallel(model, device)  # `model` stays the plain GPT: its methods, eval, saving
+    step_model = distributed.wrap_model(model, device)  # `model` stays the plain GPT: its methods, eval, saving
     fwd_model = torch.compile(step_model) if t.compile else step_model
     optimizer = build_optimizer(model, cfg)
     base_lrs = [g["lr"] for g in optimizer.param_groups]
@@ -235,7 +235,7 @@ def _train(cfg: RunConfig, device: torch.device, *, tracker: Any, resume: bool, 
                 x, y = distributed.local_slice(x), distributed.local_slice(y)
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 model.set_collect_stats(log_now and micro == 0)
-                with _grad_sync(step_model, micro + 1 == t.grad_accum):
+                with distributed.grad_sync(step_model, micro + 1 == t.grad_accum):
                     with autocast or nullcontext():
                         out = fwd_model(x, y)
                     aux = model.weighted_aux_loss(out.aux_losses, step)
@@ -292,7 +292,7 @@ def _train(cfg: RunConfig, device: torch.device, *, tracker: Any, resume: bool, 
                 window_steps, window_start = 0, time.perf_counter()
 
             if t.checkpoint_every and step % t.checkpoint_every == 0:
-                _sync_router_stats(model)
+                distributed.average_buffers(model.routers)  # see distributed.wrap_model
                 if main:
                     _save(ckpt_path, model, optimizer, data_gen, step, time.perf_counter() - run_start, history, tracker, cfg)
             # Rank 0 evaluates the plain module on the whole eval set (single-process numbers);
@@ -348,40 +348,6 @@ def _train(cfg: RunConfig, device: torch.device, *, tracker: Any, resume: bool, 
         checkpoint=ckpt_path,
     )
     return distributed.broadcast_object(result)
-
-
-def _data_parallel(model: GPT, device: torch.device) -> torch.nn.Module:
-    """``model`` wrapped in DDP under torchrun, else ``model`` itself.
-
-    Buffers are not synchronised in the forward pass: the only buffers that change in
-    training are the routers' running means (causal thresholds, linear_softmax's log Ẑ),
-    which no training forward reads. Each rank keeps the running mean of its own slices and
-    ``_sync_router_stats`` averages them before they are saved; the update is linear in the
-    observed batch mean and the rates depend only on the step, so that average is the
-    single-process running mean of the global batches (broadcasting rank 0's buffers would
-    keep the statistic of rank 0's slices only). The final calibration (rank 0, whole
-    batches) resets them anyway.
-    """
-    if not distributed.is_distributed():
-        return model
-    from torch.nn.parallel import DistributedDataParallel
-
-    # forward_sync_buffers=False (torch >= 2.13; broadcast_buffers is deprecated) still syncs
-    # the buffers once at construction, which is harmless: every rank built the same ones.
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   forward_sync_buffers=False)
-
-
-def _grad_sync(step_model: torch.nn.Module, last_micro: bool):
-    """All-reduce gradients only after the last micro-batch of a step (DDP ``no_sync``)."""
-    if last_micro or not hasattr(step_model, "no_sync"):
-        return nullcontext()
-    return step_model.no_sync()
-
-
-def _sync_router_stats(model: GPT) -> None:
-    """Make every rank's router running means the global-batch ones (see ``_data_parallel``)."""
-    distributed.average_buffers(model.routers)
 
 
 def _mean_logged(lm_acc: torch.Tensor, aux_acc: dict[str, torch.Tensor], stats: list[dict[str, torch.Tensor]]):
