@@ -31,7 +31,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	mkdir -p reports/bench
 	$(BIN)/python -m pytest tests/bench --benchmark-enable --benchmark-json=reports/bench/$(BENCH).json --benchmark-group-by=group -q
-	$(BIN)/python -m harness.bench_table reports/bench/$(BENCH).json --markdown reports/bench/$(BENCH).md
+	$(BIN)/python -m modbench.bench.table reports/bench/$(BENCH).json --markdown reports/bench/$(BENCH).md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks

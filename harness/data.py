@@ -34,7 +34,7 @@ from pathlib import Path, PurePath
 import numpy as np
 import torch
 
-from harness.errors import ModbenchError, accepted
+from modbench.errors import ModbenchError, accepted
 
 KNOWN_DATASETS: tuple[str, ...] = ("stdlib", "tinyshakespeare", "enwik8", "arithmetic")
 SPLITS: tuple[str, ...] = ("train", "val", "test")

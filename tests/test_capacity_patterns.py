@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.capacity import CapacitySchedule
-from harness.errors import ModbenchError
-from harness.patterns import parse_pattern, pattern_string
+from modbench.config.capacity import CapacitySchedule
+from modbench.errors import ModbenchError
+from modbench.config.patterns import parse_pattern, pattern_string
 
 
 def test_seed_000_log_capacity_table():

@@ -11,15 +11,15 @@ import math
 import pytest
 import torch
 
-import variants
-from harness.cli import main
-from harness.config import ModelConfig, RoutingConfig
-from harness.evaluate import evaluate
-from harness.causal_eval import calibrate_causal_rules, causal_agreement, leak_rate
-from harness.inference import Decoder, generate
-from harness.model import GPT, RoutedBlock
-from harness.run_config import RunConfig, TrainConfig
-from harness.train import train
+from modbench import variants
+from modbench.cli.main import main
+from modbench.config.model import ModelConfig, RoutingConfig
+from modbench.run.evaluate import evaluate
+from modbench.run.causal_eval import calibrate_causal_rules, causal_agreement, leak_rate
+from modbench.model.decode import Decoder, generate
+from modbench.model.gpt import GPT, RoutedBlock
+from modbench.config.run import RunConfig, TrainConfig
+from modbench.run.train import train
 
 ALL = variants.list_variants()
 ROUTED = [v for v in ALL if variants.get_variant(v).build(8).scope != "none"]
@@ -158,7 +158,7 @@ def test_dense_mode_is_the_model_with_plain_blocks(name):
 
 
 def test_unknown_routing_mode_is_a_clear_error():
-    from harness.errors import ModbenchError
+    from modbench.errors import ModbenchError
 
     m = model("sigmoid")
     with pytest.raises(ModbenchError, match="routing mode 'causl'"):

@@ -1,6 +1,6 @@
 """Every user mistake the CLI can meet ends in one stderr line and exit code 2.
 
-Each case is a real invocation of ``modbench`` (in-process, through ``harness.cli.main``);
+Each case is a real invocation of ``modbench`` (in-process, through ``modbench.cli.main.main``);
 the expected fragment names the problem, and for choices the accepted values.
 """
 
@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from harness.cli import main
+from modbench.cli.main import main
 
 STUDY = "studies/smoke.toml"
 

@@ -1,4 +1,4 @@
-"""Tests for harness.data: corpora, verified downloads, splits, batches and eval windows."""
+"""Tests for modbench.data: corpora, verified downloads, splits, batches and eval windows."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness import data as D
-from harness.errors import ModbenchError
+from modbench import data as D
+from modbench.errors import ModbenchError
 
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 SHAKESPEARE_SIZE = 1_115_394
@@ -54,7 +54,7 @@ def data_home(tmp_path, monkeypatch) -> Path:
 @pytest.fixture
 def no_network(monkeypatch):
     def refuse(*args, **kwargs):
-        raise AssertionError("harness.data tried to use the network")
+        raise AssertionError("modbench.data tried to use the network")
 
     monkeypatch.setattr(urllib.request, "urlopen", refuse)
 

@@ -1,7 +1,7 @@
 """One trial data-parallel under torchrun: the same losses as one process on the same global batch.
 
 Each DDP run is the real command (``python -m torch.distributed.run --standalone
---nproc_per_node=2 -m harness.cli train ...``, gloo on CPU). Its per-step training metrics
+--nproc_per_node=2 -m modbench.cli.main train ...``, gloo on CPU). Its per-step training metrics
 come from where train records them — the MLflow metric history in a temporary store for the
 tracked run, the checkpoint's ``history`` (the same rows) for the untracked ones, which skip
 MLflow's start-up — and are compared with the history of an in-process single-process run
@@ -25,11 +25,11 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from harness.cli import main
-from harness.config import ModelConfig, RoutingConfig
-from harness.data import make_arithmetic
-from harness.run_config import RunConfig, TrainConfig
-from harness.train import train
+from modbench.cli.main import main
+from modbench.config.model import ModelConfig, RoutingConfig
+from modbench.data import make_arithmetic
+from modbench.config.run import RunConfig, TrainConfig
+from modbench.run.train import train
 
 REPO = Path(__file__).resolve().parents[1]
 RTOL = 1e-4  # measured: at most ~2e-7 relative on this machine (rounding only)
@@ -64,7 +64,7 @@ def torchrun(store: Path, argv: list[str]) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(MLFLOW_TRACKING_URI=f"sqlite:///{store}/mlflow.db", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "harness.cli", "train", *argv]
+           "-m", "modbench.cli.main", "train", *argv]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 

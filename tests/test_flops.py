@@ -11,10 +11,10 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-import variants
-from harness.config import ModelConfig, RoutingConfig
-from harness.flops import attention_flops, model_flops
-from harness.model import GPT
+from modbench import variants
+from modbench.config.model import ModelConfig, RoutingConfig
+from modbench.model.flops import attention_flops, model_flops
+from modbench.model.gpt import GPT
 
 CFG = ModelConfig(depth=2, n_embd=64, head_dim=16, max_seq_len=128)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from harness.cli import main
+from modbench.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "studies" / "smoke.toml"
@@ -41,7 +41,7 @@ def _env() -> dict[str, str]:
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=cwd, env=_env(),
+    return subprocess.run([sys.executable, "-m", "modbench.cli.main", *args], cwd=cwd, env=_env(),
                           capture_output=True, text=True, timeout=600)
 
 
@@ -87,7 +87,7 @@ def server(study_dir):
     port = _free_port()
     log_path = study_dir / "ui.log"
     with log_path.open("w") as log:  # a file, not a pipe: an unread pipe would stall the server's logging
-        proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "ui", f"{STUDY}.toml", "--port", str(port)],
+        proc = subprocess.Popen([sys.executable, "-m", "modbench.cli.main", "ui", f"{STUDY}.toml", "--port", str(port)],
                                 cwd=study_dir, env=_env(), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # its own process group, so teardown reaches uvicorn too
     try:

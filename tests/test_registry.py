@@ -3,9 +3,9 @@ import textwrap
 
 import pytest
 
-import variants
-from harness.errors import ModbenchError
-from variants import registry
+from modbench import variants
+from modbench.errors import ModbenchError
+from modbench.variants import registry
 
 BUILT_IN = {"dense", "learned_temperature", "linear_softmax", "mlp_skip", "norm", "random", "sigmoid"}
 
@@ -55,7 +55,7 @@ def test_third_party_variant_loads_through_entry_points(tmp_path, monkeypatch):
     pkg.write_text(textwrap.dedent('''
         from dataclasses import dataclass
         import torch
-        from variants import Router, VariantConfig, register_variant
+        from modbench.variants import Router, VariantConfig, register_variant
 
         @dataclass(frozen=True)
         class FirstTokensConfig(VariantConfig):
@@ -83,8 +83,8 @@ def test_third_party_variant_loads_through_entry_points(tmp_path, monkeypatch):
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     assert variants.list_variants("mod_*") == ["mod_first_tokens"]
     import torch
-    from harness.config import ModelConfig, RoutingConfig
-    from harness.model import GPT
+    from modbench.config.model import ModelConfig, RoutingConfig
+    from modbench.model.gpt import GPT
 
     m = GPT(ModelConfig(depth=2, n_embd=32, head_dim=16, max_seq_len=16), RoutingConfig("mod_first_tokens", 0.5, pattern="all"))
     r = m.routers[0].route(torch.randn(2, 8, 32), 4)

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-import harness.study as study_mod
-from harness.cli import main
-from harness.errors import ModbenchError
-from harness.train import TrainingDiverged
+import modbench.study.runner as study_mod
+from modbench.cli.main import main
+from modbench.errors import ModbenchError
+from modbench.run.train import TrainingDiverged
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = (REPO / "studies" / "smoke.toml").read_text()
@@ -92,7 +92,7 @@ def test_report_of_unknown_study_is_a_clear_error(tmp_cwd, capsys):
 def test_throughput_caveat_comes_from_the_seed_spread():
     import pandas as pd
 
-    from harness.report import _throughput_caveat
+    from modbench.report.build import _throughput_caveat
 
     quiet = pd.DataFrame({"arm": ["dense", "norm C=0.25"], "tokens_per_s_spread": [1.05, 1.2]})
     assert _throughput_caveat(quiet) == []

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-import variants
-from harness.capacity import CapacitySchedule
-from harness.config import ModelConfig, RoutingConfig
-from harness.errors import ModbenchError
-from harness.model import GPT, RoutedBlock
+from modbench import variants
+from modbench.config.capacity import CapacitySchedule
+from modbench.config.model import ModelConfig, RoutingConfig
+from modbench.errors import ModbenchError
+from modbench.model.gpt import GPT, RoutedBlock
 
 ALL = variants.list_variants()
 ROUTED = [v for v in ALL if variants.get_variant(v).build(8).scope != "none"]

@@ -1,4 +1,4 @@
-"""Tests for harness.stats: summaries, arm-vs-baseline tests, corrections, Pareto fronts."""
+"""Tests for modbench.report.stats: summaries, arm-vs-baseline tests, corrections, Pareto fronts."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy import stats as sps
 
-from harness.errors import ModbenchError
-from harness.stats_text import describe_comparison
-from harness.stats import (
+from modbench.errors import ModbenchError
+from modbench.report.stats_text import describe_comparison
+from modbench.report.stats import (
     COMPARISON_COLUMNS,
     SUMMARY_COLUMNS,
     benjamini_hochberg,

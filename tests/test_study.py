@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlflow.tracking import MlflowClient
 
-from harness.cli import main
-from harness.errors import ModbenchError
-from harness.study import trials_frame
-from harness.study_config import load_study
+from modbench.cli.main import main
+from modbench.errors import ModbenchError
+from modbench.track.optuna_store import trials_frame
+from modbench.config.study import load_study
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "studies" / "smoke.toml"
@@ -25,7 +25,7 @@ POSTGRES = os.environ.get("MODBENCH_TEST_POSTGRES_URL")
 
 
 def cli(*args: str, cwd: Path, env: dict | None = None, wait: bool = True):
-    cmd = [sys.executable, "-m", "harness.cli", *args]
+    cmd = [sys.executable, "-m", "modbench.cli.main", *args]
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     if wait:
         return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=600)
@@ -207,7 +207,7 @@ def test_shipped_study_files_are_valid():
 
 def test_variant_shootout_covers_all_variants_three_capacities_five_seeds():
     s = load_study(REPO / "studies" / "variant_shootout.toml")
-    import variants
+    from modbench import variants
 
     assert set(s.space["variant"]) == set(variants.list_variants())
     assert sorted(s.space["capacity"]) == [0.125, 0.25, 0.5]

@@ -1,4 +1,4 @@
-"""Tests for harness.tracking (batched MLflow logger) and harness.heatmap."""
+"""Tests for modbench.track.tracking (batched MLflow logger) and modbench.run.heatmap."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from harness import provenance, tracking
-from harness.errors import ModbenchError
-from harness.provenance import environment_tags
-from harness.heatmap import routing_heatmap, routing_heatmap_figure, routing_mask
-from harness.tracking import (
+from modbench.track import provenance
+from modbench.track import tracking
+from modbench.errors import ModbenchError
+from modbench.track.provenance import environment_tags
+from modbench.run.heatmap import routing_heatmap, routing_heatmap_figure, routing_mask
+from modbench.track.tracking import (
     HEARTBEAT_TAG,
     PARENT_RUN_TAG,
     NullTracker,
@@ -384,7 +385,7 @@ def test_tracking_module_imports_mlflow_lazily():
     import subprocess
     import sys
 
-    code = "import sys, harness.tracking; print('mlflow' in sys.modules)"
+    code = "import sys, modbench.track.tracking; print('mlflow' in sys.modules)"
     root = Path(tracking.__file__).resolve().parents[1]
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True

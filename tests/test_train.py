@@ -8,15 +8,15 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-import variants
-from harness.budget import Budget
-from harness.cli import main
-from harness.config import ModelConfig, RoutingConfig
-from harness.data import load_corpus
-from harness.errors import ModbenchError
-from harness.model import GPT
-from harness.run_config import RunConfig, TrainConfig
-from harness.train import TrainingDiverged, train
+from modbench import variants
+from modbench.config.budget import Budget
+from modbench.cli.main import main
+from modbench.config.model import ModelConfig, RoutingConfig
+from modbench.data import load_corpus
+from modbench.errors import ModbenchError
+from modbench.model.gpt import GPT
+from modbench.config.run import RunConfig, TrainConfig
+from modbench.run.train import TrainingDiverged, train
 
 TINY = ModelConfig(depth=2, n_embd=64, head_dim=16, max_seq_len=64)
 

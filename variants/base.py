@@ -1,7 +1,7 @@
 """The contract between the model and a routing variant.
 
 A variant decides *which* tokens a routed layer processes and *how* the block's output is
-mixed back; the model (``harness.model.RoutedBlock``) executes. Expert-choice routing as in
+mixed back; the model (``modbench.model.gpt.RoutedBlock``) executes. Expert-choice routing as in
 Raposo et al. 2024 (arXiv:2404.02258, §3.3): each routed layer keeps the top-k tokens of a
 per-token score, k = capacity · T, and the selected positions are sorted ascending so that a
 causal mask on the gathered subset is exact.
@@ -97,10 +97,10 @@ class Router(nn.Module):
     """
 
     scope: ClassVar[Scope] = "block"
-    # Set by evaluation (harness.inference.causal_agreement): with collect_stats, ``route``
+    # Set by evaluation (modbench.model.decode.causal_agreement): with collect_stats, ``route``
     # also returns decide_causal on the same hidden state, to score it against top-k.
     collect_causal: bool = False
-    # True during the final calibration pass (harness.inference.calibrate_causal_rules), for
+    # True during the final calibration pass (modbench.model.decode.calibrate_causal_rules), for
     # routers whose causal rule needs more than ``observe`` sees (see the random control).
     calibrating: bool = False
 
@@ -141,7 +141,7 @@ class Router(nn.Module):
         ``mix_weight``'s default get None without their score being computed (the
         ``random`` control's score would draw from the global RNG). A score that reads the
         position off ``x.shape`` cannot be used here unchanged: a KV-cached decode step
-        sees one token at a time (``harness.inference``), so override this instead.
+        sees one token at a time (``modbench.model.decode``), so override this instead.
         """
         if type(self).mix_weight is Router.mix_weight:
             return None

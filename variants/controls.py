@@ -8,7 +8,7 @@ randomness comes from torch's global generator, so a seed fixes it.
 Causal rule of ``random``: a fixed random hyperplane. The token is processed when its
 hidden state, normalised, projects onto a fixed random unit vector above a threshold: the
 k-th largest projection, averaged over the final calibration pass of training
-(``harness.inference.calibrate_causal_rules``: only then, so training steps pay nothing for
+(``modbench.model.decode.calibrate_causal_rules``: only then, so training steps pay nothing for
 it); before any calibration, the (1 − C)-quantile of N(0, 1/d), the projection's
 distribution for isotropic states. It is deterministic (the same token state always gets the
 same decision, so causal-mode forwards are reproducible and a perturbation after t cannot

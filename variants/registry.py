@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from harness.errors import ModbenchError, accepted
+from modbench.errors import ModbenchError, accepted
 
 from .base import Router, VariantConfig
 

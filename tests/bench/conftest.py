@@ -5,12 +5,12 @@ them) the timed closure runs exactly once, at full size, and the test's checks r
 result, so the benchmarks cannot rot. With ``--benchmark-enable`` the closure is warmed up,
 then timed for about ``budget_s`` seconds (at least ``MIN_ROUNDS`` rounds); a routed entry's
 every round is preceded by a call of its dense reference, so its time ratio comes from
-adjacent calls (``paired_time_ratio``, what ``harness.bench_table`` reports; see
+adjacent calls (``paired_time_ratio``, what ``modbench.bench.table`` reports; see
 ``run_bench``).
 
     pytest tests/bench --benchmark-enable --benchmark-json=reports/bench/cpu.json \
         --benchmark-group-by=group
-    python -m harness.bench_table reports/bench/cpu.json --markdown reports/bench/cpu.md
+    python -m modbench.bench.table reports/bench/cpu.json --markdown reports/bench/cpu.md
 
 CPU runs use fp32 and 2 threads (the issue's reference point). CUDA runs (only where a GPU
 is present; skipped otherwise) use bf16 autocast and ``torch.compile``, synchronise after
@@ -132,7 +132,7 @@ def run_bench(benchmark):
     machine the speed of the whole machine drifts by tens of percent over seconds to minutes
     (measured here: the same dense block at 424-617 ms, other processes using ~1 % of the
     CPU), so a ratio of two entries timed minutes apart (``raw_ratio`` in bench_table) is
-    off by that much; adjacent calls see the same machine. ``harness.bench_table`` reports
+    off by that much; adjacent calls see the same machine. ``modbench.bench.table`` reports
     the paired ratio.
     """
 

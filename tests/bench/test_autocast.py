@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import variants
-from harness.config import ModelConfig, RoutingConfig
-from harness.model import GPT
+from modbench import variants
+from modbench.config.model import ModelConfig, RoutingConfig
+from modbench.model.gpt import GPT
 
 ROUTED = [v for v in variants.list_variants() if variants.build_router(v, 8).scope != "none"]
 TINY = ModelConfig(depth=2, n_embd=32, head_dim=16, max_seq_len=64)

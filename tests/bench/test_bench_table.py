@@ -1,4 +1,4 @@
-"""harness.bench_table on a synthetic pytest-benchmark JSON."""
+"""modbench.bench.table on a synthetic pytest-benchmark JSON."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from harness import bench_table
+from modbench.bench import table as bench_table
 
 
 def _entry(kind, variant, capacity, T, t_min, flop_ratio, *, batch=8, repeat=0, paired=None, pattern=None):

@@ -11,9 +11,9 @@ At C = 1.0 this times a ``RoutedBlock`` with k = T — the cost of the routing m
 when it saves nothing (GPT itself builds plain blocks at C = 1.0; see test_model_speed).
 
 ``extra_info``: variant, capacity, seq_len, batch, k, router_scope, analytic_flops (forward
-+ backward of the batch, causal convention, ``harness.profile_block.block_flops``),
++ backward of the batch, causal convention, ``modbench.bench.profile_block.block_flops``),
 dense_flops, flop_ratio, tokens, tokens_processed, device, dtype, compiled.
-``python -m harness.bench_table`` turns the JSON into time ratio vs FLOP ratio.
+``python -m modbench.bench.table`` turns the JSON into time ratio vs FLOP ratio.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import variants
-from harness.model import DenseLayer, RoutedBlock
-from harness.profile_block import bench_config, block_flops, block_inputs, build_block, fwd_bwd
+from modbench import variants
+from modbench.model.gpt import DenseLayer, RoutedBlock
+from modbench.bench.profile_block import bench_config, block_flops, block_inputs, build_block, fwd_bwd
 
 ROUTED = [v for v in variants.list_variants() if variants.build_router(v, 8).scope != "none"]
 BATCH = {512: 8, 1024: 8, 2048: 4}
@@ -35,7 +35,7 @@ BUDGET_S = {"cpu": 3.0, "cuda": 1.0}
 
 def _cases():
     # Per T: the dense reference first, then the variants, then the dense reference again
-    # (timed only when benchmarking): harness.bench_table takes the better of the two, so
+    # (timed only when benchmarking): modbench.bench.table takes the better of the two, so
     # a burst of load on a shared machine during one dense run cannot flatter every ratio.
     for T in BATCH:
         yield pytest.param("dense", 1.0, T, 0, id=f"T{T}-dense")

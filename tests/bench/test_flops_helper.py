@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import variants
-from harness.config import ModelConfig, RoutingConfig
-from harness.flops import attention_flops, model_flops
-from harness.model import GPT
-from harness.profile_block import bench_config, block_flops, build_block
+from modbench import variants
+from modbench.config.model import ModelConfig, RoutingConfig
+from modbench.model.flops import attention_flops, model_flops
+from modbench.model.gpt import GPT
+from modbench.bench.profile_block import bench_config, block_flops, build_block
 
 ROUTED = [v for v in variants.list_variants() if variants.build_router(v, 8).scope != "none"]
 

@@ -6,10 +6,10 @@ batches (B = 4 at T = 512, B = 1 at T = 2048: 2 048 tokens a step) so the CI run
 At C = 1.0 GPT builds plain blocks (no router), so those entries time the dense model again:
 their ratio to the dense entry is the measurement noise of the run.
 
-``analytic_flops`` is ``harness.flops.model_flops(model, T).total × B`` (causal, forward +
+``analytic_flops`` is ``modbench.model.flops.model_flops(model, T).total × B`` (causal, forward +
 backward, head included; the optimizer's O(parameters) update is not counted), and
 ``dense_flops`` the same for the dense GPT of the same shape. The bar (reported by
-``harness.bench_table``, not asserted): alternate, C = 0.125 reaches ≥ 85 % of the
+``modbench.bench.table``, not asserted): alternate, C = 0.125 reaches ≥ 85 % of the
 theoretical speed-up dense_flops / analytic_flops.
 """
 
@@ -18,12 +18,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import variants
-from harness.config import RoutingConfig
-from harness.flops import model_flops
-from harness.model import GPT
-from harness.patterns import pattern_string
-from harness.profile_block import bench_config
+from modbench import variants
+from modbench.config.model import RoutingConfig
+from modbench.model.flops import model_flops
+from modbench.model.gpt import GPT
+from modbench.config.patterns import pattern_string
+from modbench.bench.profile_block import bench_config
 
 ROUTED = [v for v in variants.list_variants() if variants.build_router(v, 8).scope != "none"]
 BATCH = {512: 4, 2048: 1}

@@ -1,0 +1,347 @@
+"""Where the time of one routed block goes: build, count and profile forward + backward.
+
+    python -m modbench.bench.profile_block --variant sigmoid --capacity 0.125 --seq-len 1024
+
+builds one ``RoutedBlock`` (d = 256, 4 heads of 64, B = 8 by default, fp32, 2 threads) and
+the ``DenseLayer`` with the *same block weights*, times forward + backward of both, prints
+the measured time ratio next to the analytic FLOP ratio, then profiles the routed block with
+``torch.profiler`` and prints the top ops by self CPU time (router linear, topk, sort,
+index_select, index_add, attention, the MLP's linears and their backward nodes…).
+
+The same helpers build and count the blocks of the speed benchmarks (``tests/bench``):
+
+- ``bench_config``: the benchmark model shape (ModelConfig(depth=4, n_embd=256, head_dim=64)).
+- ``build_block``: a routed block (or the dense reference) with seeded, shared weights.
+- ``block_flops``: analytic forward + backward FLOPs of one block (see its docstring).
+- ``fwd_bwd``: the closure the benchmarks time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from modbench import variants
+
+from modbench.config.capacity import CapacitySchedule
+from modbench.config.model import ModelConfig
+from modbench.model.flops import attention_flops, projection_flops
+from modbench.model.gpt import DenseLayer, RoutedBlock, rope_tables
+
+BENCH_WIDTH = 256
+BENCH_HEAD_DIM = 64
+
+
+def bench_config(max_seq_len: int = 2048, depth: int = 4) -> ModelConfig:
+    """The benchmark shape: d = 256, 4 heads of 64, MLP ratio 4 (the issue's CPU point)."""
+    return ModelConfig(depth=depth, n_embd=BENCH_WIDTH, head_dim=BENCH_HEAD_DIM, max_seq_len=max_seq_len)
+
+
+def build_block(variant: str, capacity: float, cfg: ModelConfig, seed: int = 0) -> nn.Module:
+    """One layer in training mode: ``DenseLayer`` for ``dense``, else a ``RoutedBlock``.
+
+    The block weights come from a ``DenseLayer`` built under ``seed``, so every variant and
+    capacity at that seed runs the very same attention and MLP weights as the dense
+    reference. A routed block is built at every capacity, 1.0 included (k = T: what the
+    routing machinery costs when it saves nothing); ``GPT`` itself builds plain blocks at
+    C = 1.0, which the model-scope benchmark measures.
+    """
+    torch.manual_seed(seed)
+    dense = DenseLayer(cfg)
+    if variant == "dense":
+        return dense.train()
+    router = variants.build_router(variant, cfg.width)
+    if router.scope == "none":
+        raise ValueError(f"variant {variant!r} builds no routed block")
+    routed = RoutedBlock(cfg, router, CapacitySchedule(capacity, max_seq_len=cfg.max_seq_len))
+    routed.block.load_state_dict(dense.block.state_dict())
+    return routed.train()
+
+
+@dataclass(frozen=True)
+class BlockFlops:
+    forward: float  # per sequence
+    backward: float  # per sequence
+    tokens_processed: int  # k (T for a dense layer)
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+
+def block_flops(layer: nn.Module, seq_len: int, *, causal: bool = True) -> BlockFlops:
+    """Analytic FLOPs of forward + backward of one layer over one sequence of ``seq_len``.
+
+    The conventions of ``modbench.model.flops`` (and exactly ``model_flops`` of a one-layer GPT
+    minus its head and embedding; tests/bench/test_flops_helper.py checks that):
+
+    - projections (qkv, out, MLP fc and proj) at the tokens that pass through them:
+      k for a routed block, attention at T and the MLP at k for ``mlp_skip`` (scope "mlp"),
+      T for a dense layer;
+    - attention scores and A·V over those tokens, causal pairs L(L+1)/2 by default;
+    - the router on all T tokens with its own (forward, backward) per-token count;
+    - backward = 2 × forward for every matmul, plus the router's own backward.
+
+    Norms, RoPE, softmax, GELU, top-k, sort, gather and scatter count as zero (memory-bound):
+    they are exactly what the measured time ratio exposes beyond the FLOP ratio.
+    """
+    cfg_width = _width(layer)
+    mlp_ratio = _mlp_ratio(layer)
+    T = seq_len
+    router_fwd = router_bwd = 0.0
+    if isinstance(layer, RoutedBlock):
+        k = layer.capacity.k(T)
+        rf, rb = layer.router.flops_per_token(cfg_width)
+        router_fwd, router_bwd = rf * T, rb * T
+        attn_tokens = T if layer.router.scope == "mlp" else k
+        mlp_tokens = k
+    elif isinstance(layer, DenseLayer):
+        k = attn_tokens = mlp_tokens = T
+    else:
+        raise TypeError(f"expected a RoutedBlock or a DenseLayer, got {type(layer).__name__}")
+    proj_attn, _ = projection_flops(cfg_width, mlp_ratio, attn_tokens)
+    _, proj_mlp = projection_flops(cfg_width, mlp_ratio, mlp_tokens)
+    matmuls = proj_attn + proj_mlp + attention_flops(cfg_width, attn_tokens, causal)
+    return BlockFlops(matmuls + router_fwd, 2.0 * matmuls + router_bwd, k)
+
+
+def _width(layer: nn.Module) -> int:
+    return layer.block.attn.qkv.in_features
+
+
+def _mlp_ratio(layer: nn.Module) -> int:
+    return layer.block.mlp.fc.out_features // layer.block.mlp.fc.in_features
+
+
+def fwd_bwd(
+    layer: nn.Module, x: Tensor, grad: Tensor, cos: Tensor, sin: Tensor, *,
+    autocast: torch.dtype | None = None,
+) -> Callable[[], Tensor]:
+    """The timed closure: forward, then backward of ``out`` with the fixed ``grad``.
+
+    Auxiliary losses (the router's BCE, a detached predictor's loss…) are backpropagated
+    too, with unit weight, since a training step pays for them. Gradients are reset to
+    None first, so every call does the same work (allocation, never accumulation).
+    ``autocast`` runs the forward under ``torch.autocast`` with that dtype (bf16 on CUDA).
+    """
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def step() -> Tensor:
+        x.grad = None
+        for p in params:
+            p.grad = None
+        if autocast is None:
+            out = layer(x, cos, sin)
+        else:
+            with torch.autocast(x.device.type, dtype=autocast):
+                out = layer(x, cos, sin)
+        tensors = [out.x, *out.aux_losses.values()]
+        grads = [grad, *(None for _ in out.aux_losses)]
+        torch.autograd.backward(tensors, grads)
+        return out.x
+
+    return step
+
+
+def block_inputs(cfg: ModelConfig, batch: int, seq_len: int, device: str = "cpu", seed: int = 1):
+    """(x requiring grad, fixed output grad, cos, sin) for a block benchmark."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, seq_len, cfg.width, generator=g).to(device).requires_grad_(True)
+    grad = torch.randn(batch, seq_len, cfg.width, generator=g).to(device)
+    cos, sin = rope_tables(cfg.max_seq_len, cfg.width // cfg.heads, cfg.rope_base)
+    return x, grad, cos.to(device), sin.to(device)
+
+
+def time_call(fn: Callable[[], object], rounds: int, warmup: int = 1) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def time_interleaved(fns: Sequence[Callable[[], object]], rounds: int, warmup: int = 1) -> list[list[float]]:
+    """Per function, ``rounds`` timings taken in alternation (a b a b …), after ``warmup``
+    calls of each: drifts in machine load hit every function alike, so ratios of their
+    minima (or medians) are steadier than ratios of separate runs."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return times
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+# --- the script ---------------------------------------------------------------------------
+def profile_block(
+    variant: str = "sigmoid",
+    capacity: float = 0.125,
+    seq_len: int = 1024,
+    batch: int = 8,
+    *,
+    threads: int | None = 2,
+    rounds: int = 5,
+    steps: int = 3,
+    top: int = 25,
+    sort_by: str = "self_cpu_time_total",
+    compare_dense: bool = True,
+    shapes: bool = False,
+    out=sys.stdout,
+) -> dict[str, float]:
+    """Time (routed vs dense) and profile forward + backward of one block; print a report."""
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = bench_config(max_seq_len=max(seq_len, 1))
+    layer = build_block(variant, capacity, cfg)
+    x, grad, cos, sin = block_inputs(cfg, batch, seq_len)
+    step = fwd_bwd(layer, x, grad, cos, sin)
+    fl = block_flops(layer, seq_len)
+
+    print(
+        f"{variant} C={capacity} T={seq_len} B={batch} d={cfg.width} heads={cfg.heads} "
+        f"k={fl.tokens_processed} fp32 threads={torch.get_num_threads()} torch {torch.__version__}",
+        file=out,
+    )
+    summary: dict[str, float] = {}
+    if compare_dense and variant != "dense":
+        dense = build_block("dense", 1.0, cfg)
+        dfl = block_flops(dense, seq_len)
+        routed_t, dense_t = time_interleaved([step, fwd_bwd(dense, x, grad, cos, sin)], rounds)
+        t_routed, t_dense = min(routed_t), min(dense_t)
+        ratio, flop_ratio = t_routed / t_dense, fl.total / dfl.total
+        median_ratio = _median(routed_t) / _median(dense_t)
+        summary.update(
+            time_ms=1e3 * t_routed, dense_ms=1e3 * t_dense, time_ratio=ratio,
+            median_time_ratio=median_ratio, flop_ratio=flop_ratio, efficiency=flop_ratio / ratio,
+        )
+        print(
+            f"fwd+bwd, min of {rounds} interleaved calls: routed {1e3 * t_routed:.1f} ms, dense "
+            f"{1e3 * t_dense:.1f} ms; time ratio {ratio:.3f} (of medians {median_ratio:.3f}), "
+            f"causal FLOP ratio {flop_ratio:.3f}, time/FLOP {ratio / flop_ratio:.2f}× "
+            f"(efficiency {flop_ratio / ratio:.2f})",
+            file=out,
+        )
+    else:
+        t_routed = min(time_call(step, rounds))
+        summary["time_ms"] = 1e3 * t_routed
+        print(f"fwd+bwd (min of {rounds}): {1e3 * t_routed:.1f} ms", file=out)
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if x.is_cuda:
+        activities.append(ProfilerActivity.CUDA)
+    step()  # warm
+    with profile(activities=activities, record_shapes=True) as prof:
+        for _ in range(steps):
+            step()
+    by_shape = prof.key_averages(group_by_input_shape=True)
+    regions = region_times(by_shape, full_numel=batch * seq_len * cfg.width)
+    total_self = sum(regions.values())
+    summary["profiled_self_cpu_ms_per_step"] = total_self / 1e3 / steps
+    print(f"\ntorch.profiler, {steps} steps of forward + backward: self CPU time per step by region", file=out)
+    for name, us in sorted(regions.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<64} {us / 1e3 / steps:8.2f} ms  {us / total_self:6.1%}", file=out)
+    if top:
+        print(f"\ntop {top} ops by {sort_by}:", file=out)
+        print(prof.key_averages().table(sort_by=sort_by, row_limit=top, max_name_column_width=48), file=out)
+    if top and shapes:
+        print(f"\ntop {top} (op, input shapes) by {sort_by}:", file=out)
+        print(
+            by_shape.table(sort_by=sort_by, row_limit=top, max_name_column_width=40, max_shapes_column_width=60),
+            file=out,
+        )
+    return summary
+
+
+_ROUTING_OPS = {
+    "aten::topk", "aten::sort", "aten::gather", "aten::index_select", "aten::index_add",
+    "aten::index_add_", "aten::scatter", "aten::scatter_", "aten::scatter_add", "aten::scatter_add_",
+    "aten::index", "aten::take_along_dim", "aten::index_put_", "aten::_index_put_impl_",
+}
+_MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"}
+
+
+def region_of(name: str, input_shapes: Sequence[Sequence[int]] | None, full_numel: int = 0) -> str:
+    """Where an op's self time belongs, from its name and input shapes.
+
+    ``full_numel`` = B·T·d: an elementwise op on a tensor that size touches the whole
+    sequence — in a routed block, the price of routing beyond its FLOPs (the out-of-place
+    ``index_add`` copy, the zero-filled gradient of ``index_select``, gradient sums).
+    """
+    if name in _ROUTING_OPS:
+        return "routing: top-k, sort, gather, index_select/index_add"
+    if "scaled_dot_product" in name:
+        return "attention kernel (SDPA forward + backward)"
+    if name in _MATMUL_OPS:
+        two_d = [s for s in (input_shapes or []) if len(s) == 2]
+        if any(1 in s for s in two_d):
+            return "router linear d→1 (forward + backward)"
+        return "block matmuls: qkv, out proj, MLP (fwd + bwd)"
+    if name in ("aten::gelu", "aten::gelu_backward"):
+        return "GELU (forward + backward)"
+    if name.startswith("aten::"):
+        if full_numel and any(_numel(s) == full_numel for s in (input_shapes or [])):
+            return "elementwise on all B·T tokens: copies, zero-fill, grad sums"
+        return "elementwise on processed tokens: norms, RoPE, residual, grads"
+    return "autograd engine and other framework overhead"
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for v in shape:
+        n *= v
+    return n if len(shape) else 0
+
+
+def region_times(events, full_numel: int = 0) -> dict[str, float]:
+    """Self CPU microseconds per ``region_of`` region (events grouped by input shape)."""
+    regions: dict[str, float] = {}
+    for e in events:
+        region = region_of(e.key, getattr(e, "input_shapes", None), full_numel)
+        regions[region] = regions.get(region, 0.0) + e.self_cpu_time_total
+    return regions
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m modbench.bench.profile_block", description=__doc__.split("\n\n")[0])
+    p.add_argument("--variant", default="sigmoid", help="a registered variant, or 'dense'")
+    p.add_argument("--capacity", type=float, default=0.125)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (0: leave as is)")
+    p.add_argument("--rounds", type=int, default=5, help="timed calls per block (min is reported)")
+    p.add_argument("--steps", type=int, default=3, help="profiled forward + backward steps")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--sort-by", default="self_cpu_time_total")
+    p.add_argument("--no-dense", action="store_true", help="skip timing the dense reference")
+    p.add_argument("--shapes", action="store_true", help="also list the top ops by (op, input shapes)")
+    a = p.parse_args(argv)
+    profile_block(
+        a.variant, a.capacity, a.seq_len, a.batch, threads=a.threads or None, rounds=a.rounds,
+        steps=a.steps, top=a.top, sort_by=a.sort_by, compare_dense=not a.no_dense, shapes=a.shapes,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,251 @@
+"""Time ratio vs FLOP ratio from a pytest-benchmark JSON of ``tests/bench``.
+
+    python -m modbench.bench.table reports/bench/cpu.json [--markdown reports/bench/cpu.md]
+        [--stat min|median|mean] [--baseline older.json] [--fail-on-bar]
+
+Each routed entry is paired with the dense entry of the same (kind, T, device, batch,
+dtype) — kind is ``block`` (one layer, forward + backward) or ``model`` (a GPT training
+step); where the suite timed the dense reference twice (before and after the variants) the
+faster of the two — and reported as
+
+- time ratio  = t_routed / t_dense from adjacent calls: tests/bench precedes every timed
+  round of a routed entry with a call of its dense reference (tests/bench/conftest.py) and
+  records min(t_routed) / min(t_dense) over those rounds (``paired_time_ratio``); entries
+  without it fall back to ``raw_ratio``;
+- raw ratio   = the routed entry's statistic / the dense entry's (``--stat``, ``min`` by
+  default), two measurements taken minutes apart: on a virtualised machine whose speed
+  drifts (measured here: ±20 % on the same dense block) this one is the noisier;
+- FLOP ratio  = analytic FLOPs routed / dense (causal, forward + backward; from extra_info);
+- efficiency  = FLOP ratio / time ratio = achieved speed-up (t_dense / t_routed) ÷
+  theoretical speed-up (FLOPs_dense / FLOPs_routed); 1.0 means the saving is all real;
+- gain        = (1/time ratio − 1) / (1/FLOP ratio − 1): the fraction of the theoretical
+  *extra* speed-up achieved (stricter than efficiency when both are below 1);
+- others_cpu: the share of the machine's CPU that other processes used while the entry's
+  rounds ran (for a raw ratio, the larger of the two entries'); above ~10 % a ratio is suspect;
+- bar (reported, never asserted unless ``--fail-on-bar``): blocks at T ≥ 1024 need
+  time ratio ≤ 1.15 × FLOP ratio at C = 0.5 and ≤ 1.25 × at C = 0.125; the model
+  (alternate pattern, C = 0.125) needs efficiency ≥ 0.85.
+
+``--baseline`` adds the change of each time ratio against an older JSON (regressions show
+as positive percentages); pytest-benchmark's own ``--benchmark-compare`` compares raw times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+BLOCK_BAR = {0.5: 1.15, 0.125: 1.25}  # capacity -> max time ratio / FLOP ratio, T >= 1024
+BLOCK_BAR_MIN_T = 1024
+MODEL_BAR = {("alternate", 0.125): 0.85}  # (pattern, capacity) -> min efficiency
+STATS = ("min", "median", "mean")
+
+COLUMNS = [
+    "kind", "variant", "C", "T", "B", "device", "time_ms", "dense_ms", "time_ratio", "pairs",
+    "raw_ratio", "flop_ratio", "efficiency", "gain", "bar", "others_cpu",
+]
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    with open(path) as f:
+        data = json.load(f)
+    if "benchmarks" not in data:
+        raise SystemExit(f"{path}: not a pytest-benchmark JSON (no 'benchmarks' key)")
+    return data
+
+
+def _key(info: dict[str, Any]) -> tuple:
+    return (info.get("kind"), info.get("seq_len"), info.get("device"), info.get("batch"), info.get("dtype"))
+
+
+def bar_verdict(kind: str, capacity: float, seq_len: int, pattern: str | None, time_ratio: float,
+                flop_ratio: float) -> str:
+    """'' where no bar applies, else 'met …' / 'MISSED …' with the numbers."""
+    if kind == "block" and seq_len >= BLOCK_BAR_MIN_T and capacity in BLOCK_BAR:
+        limit = BLOCK_BAR[capacity]
+        x = time_ratio / flop_ratio
+        return f"{'met' if x <= limit else 'MISSED'} ({x:.2f}× ≤ {limit}×?)"
+    if kind == "model" and (pattern, capacity) in MODEL_BAR:
+        need = MODEL_BAR[(pattern, capacity)]
+        eff = flop_ratio / time_ratio
+        return f"{'met' if eff >= need else 'MISSED'} ({eff:.0%} ≥ {need:.0%}?)"
+    return ""
+
+
+def table(data: dict[str, Any], stat: str = "min") -> pd.DataFrame:
+    """One row per benchmark of ``tests/bench`` (dense rows included, ratio 1)."""
+    if stat not in STATS:
+        raise ValueError(f"stat must be one of {STATS}, got {stat!r}")
+    entries = [b for b in data["benchmarks"] if b.get("extra_info", {}).get("kind") in ("block", "model")]
+    dense: dict[tuple, dict] = {}  # the best of the dense entries (tests/bench times two per T)
+    for b in entries:
+        if b["extra_info"].get("variant") == "dense":
+            k = _key(b["extra_info"])
+            if k not in dense or b["stats"][stat] < dense[k]["stats"][stat]:
+                dense[k] = b
+    rows = []
+    for b in entries:
+        info = b["extra_info"]
+        t = b["stats"][stat]
+        ref = dense.get(_key(info))
+        t_dense = ref["stats"][stat] if ref else math.nan
+        raw_ratio = t / t_dense if ref else math.nan
+        paired = info.get("paired_time_ratio")
+        time_ratio = float(paired) if paired is not None else raw_ratio
+        flop_ratio = float(info.get("flop_ratio", math.nan))
+        efficiency = flop_ratio / time_ratio
+        gain = ((1 / time_ratio - 1) / (1 / flop_ratio - 1)) if flop_ratio < 1 else math.nan
+        verdict = (
+            bar_verdict(info["kind"], float(info["capacity"]), int(info["seq_len"]), info.get("pattern"),
+                        time_ratio, flop_ratio)
+            if not math.isnan(time_ratio) and info.get("variant") != "dense" else ""
+        )
+        # A paired ratio comes from this entry's own rounds; a raw one from two entries.
+        sources = (b,) if paired is not None else (b, ref)
+        others = [x.get("extra_info", {}).get("foreign_cpu") for x in sources if x]
+        others = [o for o in others if o is not None]
+        variant = info.get("variant", "?") + (" (repeat)" if info.get("repeat") else "")
+        rows.append(dict(
+            kind=info["kind"], variant=variant, C=float(info.get("capacity", math.nan)),
+            T=int(info["seq_len"]), B=info.get("batch"), device=info.get("device"),
+            time_ms=1e3 * t, dense_ms=1e3 * t_dense, time_ratio=time_ratio, raw_ratio=raw_ratio,
+            pairs=info.get("paired_rounds"), flop_ratio=flop_ratio,
+            efficiency=efficiency, gain=gain, bar=verdict, rounds=b["stats"].get("rounds"),
+            others_cpu=max(others) if others else math.nan, name=b.get("name"),
+        ))
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return df
+    df["_dense_first"] = ~df["variant"].str.startswith("dense")
+    df = df.sort_values(["device", "kind", "T", "_dense_first", "variant", "C"], kind="stable")
+    df = df.drop(columns="_dense_first")
+    return df.reset_index(drop=True)
+
+
+def with_baseline(df: pd.DataFrame, base: pd.DataFrame) -> pd.DataFrame:
+    """Adds ``vs_baseline``: relative change of the time ratio (positive = slower)."""
+    keys = ["kind", "variant", "C", "T", "B", "device"]
+    merged = df.merge(base[keys + ["time_ratio"]].rename(columns={"time_ratio": "_base"}), on=keys, how="left")
+    merged["vs_baseline"] = merged["time_ratio"] / merged["_base"] - 1
+    return merged.drop(columns="_base")
+
+
+def formatted(df: pd.DataFrame) -> pd.DataFrame:
+    out = pd.DataFrame()
+    cols = COLUMNS + (["vs_baseline"] if "vs_baseline" in df else [])
+    for c in cols:
+        s = df[c]
+        if c in ("time_ms", "dense_ms"):
+            out[c] = s.map(lambda v: "" if pd.isna(v) else f"{v:.1f}")
+        elif c in ("time_ratio", "raw_ratio", "flop_ratio", "efficiency", "gain"):
+            out[c] = s.map(lambda v: "" if pd.isna(v) else f"{v:.3f}")
+        elif c == "pairs":
+            out[c] = s.map(lambda v: "" if v is None or pd.isna(v) else str(int(v)))
+        elif c == "others_cpu":
+            out[c] = s.map(lambda v: "" if pd.isna(v) else f"{v:.0%}")
+        elif c == "vs_baseline":
+            out[c] = s.map(lambda v: "" if pd.isna(v) else f"{v:+.1%}")
+        elif c == "C":
+            out[c] = s.map(lambda v: f"{v:g}")
+        else:
+            out[c] = s.astype(str)
+    return out
+
+
+def bar_summary(df: pd.DataFrame) -> list[str]:
+    lines = []
+    for _, r in df[df["bar"] != ""].iterrows():
+        lines.append(
+            f"{r['kind']} {r['variant']} C={r['C']:g} T={r['T']} B={r['B']} {r['device']}: "
+            f"time ratio {r['time_ratio']:.3f}, FLOP ratio {r['flop_ratio']:.3f}, "
+            f"efficiency {r['efficiency']:.2f}, gain {r['gain']:.2f} -> {r['bar']}"
+            + ("" if pd.isna(r["others_cpu"]) else f"; other processes used {r['others_cpu']:.0%} of the CPU")
+        )
+    return lines
+
+
+def header(data: dict[str, Any], path: str, stat: str) -> str:
+    m = data.get("machine_info", {})
+    cpu = m.get("cpu", {}) or {}
+    bench = next((b for b in data["benchmarks"] if b.get("extra_info", {}).get("kind")), {})
+    info = bench.get("extra_info", {})
+    text = (
+        f"{path}: {data.get('datetime', '?')}, {cpu.get('brand_raw', m.get('processor', '?'))}, "
+        f"python {m.get('python_version', '?')}, torch {info.get('torch', '?')}, "
+        f"threads {info.get('threads', '?')}; statistic: {stat} over rounds"
+    )
+    return f"{text} ({data['note']})" if data.get("note") else text
+
+
+def print_rich(df: pd.DataFrame, title: str) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # pragma: no cover - rich is a dependency
+        print(title)
+        print(formatted(df).to_string(index=False))
+        return
+    t = Table(title=title, title_justify="left")
+    shown = formatted(df)
+    for c in shown.columns:
+        t.add_column(c, justify="left" if c in ("kind", "variant", "device", "bar") else "right")
+    for _, row in shown.iterrows():
+        style = "red" if row["bar"].startswith("MISSED") else ("green" if row["bar"].startswith("met") else None)
+        t.add_row(*row.tolist(), style=style)
+    Console(width=200).print(t)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m modbench.bench.table", description=__doc__.split("\n\n")[0])
+    p.add_argument("json", help="pytest-benchmark JSON (pytest tests/bench --benchmark-json=...)")
+    p.add_argument("--markdown", help="also write the table as markdown to this file")
+    p.add_argument("--stat", default="min", choices=STATS, help="benchmark statistic (default: min)")
+    p.add_argument("--baseline", help="an older JSON: show the change of each time ratio")
+    p.add_argument("--fail-on-bar", action="store_true", help="exit 1 when a bar is missed")
+    a = p.parse_args(argv)
+
+    data = load(a.json)
+    df = table(data, a.stat)
+    if df.empty:
+        print(f"{a.json}: no tests/bench entries (extra_info.kind block/model)", file=sys.stderr)
+        return 1
+    if a.baseline:
+        df = with_baseline(df, table(load(a.baseline), a.stat))
+    title = header(data, a.json, a.stat)
+    print_rich(df, title)
+    bars = bar_summary(df)
+    print("\nBar (reported, not asserted):")
+    for line in bars or ["(no entry at a bar point)"]:
+        print("  " + line)
+    if a.markdown:
+        md = [
+            f"# tests/bench: time ratio vs FLOP ratio\n",
+            title + "\n",
+            "time ratio = min t_routed / min t_dense over `pairs` rounds that each time a dense "
+            "call and then a routed call (adjacent, so machine-speed drift cancels); raw_ratio = the routed entry's statistic / the dense entry's (separate "
+            "runs, minutes apart); FLOP ratio = analytic causal forward + backward FLOPs routed / "
+            "dense; efficiency = FLOP ratio / time ratio (= achieved ÷ theoretical speed-up); "
+            "gain = (1/time ratio − 1) / (1/FLOP ratio − 1); others_cpu = share of the machine's "
+            "CPU used by other processes while timing.\n",
+            formatted(df).to_markdown(index=False),
+            "\n## Bar (reported, not asserted)\n",
+            *(f"- {line}" for line in bars or ["(no entry at a bar point)"]),
+            "",
+        ]
+        Path(a.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.markdown).write_text("\n".join(md))
+        print(f"\nwrote {a.markdown}")
+    if a.fail_on_bar and df["bar"].str.startswith("MISSED").any():
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

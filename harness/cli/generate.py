@@ -1,0 +1,138 @@
+"""``modbench generate``: sample from a trained model with a routed KV cache.
+
+``--run`` is a checkpoint file (``runs/<run name>/checkpoint.pt``, written by ``modbench
+train``) or an MLflow run id (its ``checkpoint`` tag, else ``<train.out_dir>/<run name>/
+checkpoint.pt``). The prompt is prefilled and new bytes are sampled one at a time with
+causal routing (``modbench.model.decode``); the same weights are then timed with routing off
+(every token through every layer) for the tokens/s comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+from modbench.errors import ModbenchError
+
+RUN_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def resolve_checkpoint(run: str) -> Path:
+    """A checkpoint path from ``--run``: a file path, or an MLflow run id."""
+    path = Path(run)
+    if path.is_dir() and (path / "checkpoint.pt").is_file():  # a run directory
+        path = path / "checkpoint.pt"
+    if path.is_file():
+        return path
+    if not RUN_ID.fullmatch(run):
+        raise ModbenchError(f"--run {run!r}: no checkpoint file there, and it is not an MLflow run id (32 hex digits)")
+    from modbench.track.tracking import _connect, _sqlite_db_path, tracking_uri
+
+    uri = tracking_uri()
+    db = _sqlite_db_path(uri)
+    if db is not None and not db.is_file():  # do not create an empty store just to look
+        raise ModbenchError(f"--run {run}: no MLflow store at {db} (run from the directory that has mlflow.db, or set MLFLOW_TRACKING_URI)")
+    client = _connect(uri)
+    try:
+        info = client.get_run(run)
+    except Exception:
+        raise ModbenchError(f"--run {run}: no such MLflow run in {uri} (set MLFLOW_TRACKING_URI to the store that has it)") from None
+    tagged = info.data.tags.get("checkpoint")
+    if tagged:
+        candidate = Path(tagged)
+    else:  # runs logged before the tag existed: the trainer's layout
+        out_dir = info.data.params.get("train.out_dir", "runs")
+        candidate = Path(out_dir) / info.info.run_name / "checkpoint.pt"
+    if not candidate.is_file():
+        raise ModbenchError(f"MLflow run {run} points to checkpoint {candidate}, which does not exist")
+    return candidate
+
+
+def load_model(path: Path, device):
+    """The GPT stored in a training checkpoint, in eval mode on ``device``."""
+    from modbench.track.checkpoint import load_checkpoint
+    from modbench.model.gpt import GPT
+    from modbench.config.run import RunConfig
+
+    state = load_checkpoint(path)
+    if not isinstance(state, dict) or "model" not in state or "config" not in state:
+        raise ModbenchError(f"{path} is not a modbench training checkpoint (no 'model' and 'config' entries)")
+    cfg = RunConfig.from_dict(state["config"], where=str(path))
+    model = GPT(cfg.model, cfg.routing)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0]
+        raise ModbenchError(f"checkpoint {path} does not fit this version's model ({first})") from None
+    return model.to(device).eval(), cfg
+
+
+def run(args) -> int:
+    import torch
+
+    from modbench.model.decode import generate
+    from modbench.run.train import resolve_device
+
+    if args.max_new_tokens < 1:
+        raise ModbenchError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.batch < 1:
+        raise ModbenchError(f"--batch must be >= 1, got {args.batch}")
+    if args.top_k is not None and args.top_k < 1:
+        raise ModbenchError(f"--top-k must be >= 1, got {args.top_k}")
+    prompt_bytes = args.prompt.encode("utf-8")
+    if not prompt_bytes:
+        raise ModbenchError("--prompt is empty: give at least one character")
+    device = resolve_device(args.device)
+    model, cfg = load_model(resolve_checkpoint(args.run), device)
+    if max(prompt_bytes) >= cfg.model.vocab_size:
+        raise ModbenchError(f"the prompt has bytes outside the model's vocabulary of {cfg.model.vocab_size}")
+    total = len(prompt_bytes) + args.max_new_tokens
+    if total > cfg.model.max_seq_len:
+        raise ModbenchError(
+            f"prompt ({len(prompt_bytes)} bytes) + --max-new-tokens {args.max_new_tokens} = {total} exceeds the "
+            f"model's max_seq_len {cfg.model.max_seq_len}"
+        )
+    prompt = torch.tensor(list(prompt_bytes), dtype=torch.long).unsqueeze(0).repeat(args.batch, 1)
+    temperature = 0.0 if args.greedy else args.temperature
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
+    kw = dict(temperature=temperature, top_k=args.top_k, seed=args.seed, autocast=autocast)
+    out = generate(model, prompt, args.max_new_tokens, mode="causal", **kw)
+    dense = None if args.no_dense else generate(model, prompt, args.max_new_tokens, mode="dense", **kw)
+    texts = [bytes(row.tolist()).decode("utf-8", errors="replace") for row in out.new_tokens.cpu()]
+    summary = {
+        "variant": cfg.routing.variant,
+        "new_tokens": args.max_new_tokens,
+        "batch": args.batch,
+        "tokens_per_s": out.tokens_per_s,
+        "dense_tokens_per_s": dense.tokens_per_s if dense else None,
+        "skipped_fraction": out.skipped_fraction,
+    }
+    if args.json:
+        print(json.dumps({"prompt": args.prompt, "texts": texts, "new_bytes": out.new_tokens.tolist(), **summary}))
+        return 0
+    for text in texts:
+        sys.stdout.write(args.prompt + text + "\n")
+    line = f"{cfg.routing.variant}: {out.new_tokens.numel()} new bytes at {out.tokens_per_s:,.1f} tokens/s"
+    if dense:
+        line += f" (routing off: {dense.tokens_per_s:,.1f} tokens/s, ×{out.tokens_per_s / max(dense.tokens_per_s, 1e-9):.2f})"
+    line += f"; routed-layer token computations skipped: {100 * out.skipped_fraction:.1f}%"
+    print(line)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="sample bytes from a trained model with causal routing and a KV cache")
+    p.add_argument("--run", required=True, help="checkpoint file (runs/<name>/checkpoint.pt) or MLflow run id")
+    p.add_argument("--prompt", required=True, help="text to continue (UTF-8 bytes)")
+    p.add_argument("--max-new-tokens", type=int, default=100, help="bytes to generate (default: 100)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 is greedy (default: 1)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely bytes")
+    p.add_argument("--greedy", action="store_true", help="always take the most likely byte")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--batch", type=int, default=1, help="sequences sampled in parallel from the prompt (default: 1)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--no-dense", action="store_true", help="skip the routing-off timing run")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=run)

@@ -1,0 +1,28 @@
+"""``modbench report STUDY_FILE``: write reports/<study>/report.md with plots and CSVs."""
+
+from __future__ import annotations
+
+import json
+
+
+def run(args) -> int:
+    from modbench.report.build import build_report, command_line
+
+    path = build_report(args.study_file, storage=args.storage, out_dir=args.out_dir, reports_dir=args.reports_dir,
+                        command=command_line(), progress=not (args.quiet or args.json))
+    if args.quiet or args.json:
+        print(json.dumps({"report": str(path)}))
+    else:
+        print(f"report written to {path}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("report", help="statistics, tables and plots of a study as markdown")
+    p.add_argument("study_file")
+    p.add_argument("--storage", help="Optuna storage URL (default: SQLite in --out-dir)")
+    p.add_argument("--out-dir", default="runs/studies")
+    p.add_argument("--reports-dir", default="reports")
+    p.add_argument("--quiet", action="store_true", help="no progress bars; print one JSON line")
+    p.add_argument("--json", action="store_true", help="print the report's path as JSON")
+    p.set_defaults(func=run)

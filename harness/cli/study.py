@@ -1,0 +1,82 @@
+"""``modbench study run FILE`` and ``modbench study status NAME|FILE``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from modbench.errors import ModbenchError
+
+
+def _storage_for(args) -> tuple[str, str]:
+    """(study name, storage URL) for status: a study file or a name in --out-dir."""
+    from modbench.track.optuna_store import default_storage
+    from modbench.config.study import load_study
+
+    target = Path(args.study)
+    if target.suffix == ".toml" or target.is_file():
+        study = load_study(target)
+        return study.name, args.storage or default_storage(study, args.out_dir)
+    if args.storage:
+        return args.study, args.storage
+    db = Path(args.out_dir) / args.study / "optuna.db"
+    if not db.is_file():
+        raise ModbenchError(f"no study {args.study!r} under {args.out_dir}: give the study file, or --storage URL")
+    return args.study, f"sqlite:///{db.resolve()}"
+
+
+def run(args) -> int:
+    from modbench.study.runner import run_study
+
+    outcome = run_study(args.study_file, storage=args.storage, out_dir=args.out_dir, n_trials=args.n_trials,
+                        progress=not args.quiet, heartbeat=args.heartbeat, grace=args.grace)
+    summary = {"study": outcome.name, "storage": outcome.storage, "ran": outcome.ran, "trials": outcome.counts,
+               "best": outcome.best, "seconds": round(outcome.seconds, 1)}
+    if args.quiet or args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"study {outcome.name}: ran {outcome.ran} trials in {outcome.seconds:.0f}s; trials by state {outcome.counts}")
+        if outcome.best:
+            print(f"best so far: {outcome.best}")
+        print(f"storage: {outcome.storage}\ncompare runs: modbench ui {args.study_file}; "
+              f"report: modbench report {args.study_file}")
+    return 0
+
+
+def status(args) -> int:
+    from modbench.track.optuna_store import trials_frame
+
+    name, url = _storage_for(args)
+    df = trials_frame(name, url)
+    by_state = df["state"].value_counts().to_dict() if len(df) else {}
+    if args.json:
+        print(json.dumps({"study": name, "storage": url, "trials": by_state,
+                          "rows": json.loads(df.to_json(orient="records")) if len(df) else []}))
+        return 0
+    print(f"study {name} ({url}): {len(df)} trials — " + ", ".join(f"{k} {v}" for k, v in sorted(by_state.items())))
+    if len(df):
+        cols = [c for c in ("number", "state", "arm", "seed", "val_bpb", "flops_per_token", "tokens_per_s") if c in df]
+        print(df[cols].to_markdown(index=False, floatfmt=".4g"))
+    print(f"live dashboard: optuna-dashboard {url}")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("study", help="run or inspect an Optuna ablation study from a study file")
+    ssub = p.add_subparsers(dest="study_command", required=True, parser_class=type(p))
+    r = ssub.add_parser("run", help="run (or resume) a study; several workers may run it against one --storage")
+    r.add_argument("study_file")
+    r.add_argument("--storage", help="Optuna storage URL (default: SQLite in --out-dir), e.g. postgresql+psycopg://user@host/db")
+    r.add_argument("--out-dir", default="runs/studies", help="where SQLite storage and trial checkpoints go")
+    r.add_argument("--n-trials", type=int, help="run at most this many trials now")
+    r.add_argument("--heartbeat", type=int, default=10, help="seconds between trial heartbeats")
+    r.add_argument("--grace", type=int, default=30, help="seconds without heartbeat before a trial counts as dead and is retried")
+    r.add_argument("--quiet", action="store_true")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=run)
+    s = ssub.add_parser("status", help="trials by state")
+    s.add_argument("study", help="study file or study name")
+    s.add_argument("--storage")
+    s.add_argument("--out-dir", default="runs/studies")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=status)

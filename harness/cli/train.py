@@ -1,0 +1,73 @@
+"""``modbench train``: one tracked training run from flags and/or a TOML config.
+
+Under ``torchrun`` every process runs this command; only rank 0 prints (``modbench.run.distributed``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from modbench.run import distributed
+from modbench.errors import ModbenchError
+from modbench.config.run import add_config_flags, config_from_args
+
+# How long a rank other than 0 holds back its error (below); torchrun stops it sooner.
+RANK_ERROR_GRACE_S = 10.0
+
+
+def run(args) -> int:
+    from modbench.config.model import describe
+    from modbench.run.train import train
+
+    main = distributed.is_main()
+    try:
+        cfg = config_from_args(args)
+        if main and not args.quiet:
+            print(f"modbench train: {describe(cfg.model, cfg.routing)}")
+            print(cfg.to_json())
+        result = train(cfg, resume=args.resume, progress=not args.quiet)
+    except ModbenchError as e:
+        if main:
+            raise
+        # Every rank runs the same flags on the same files (and logs the same all-reduced
+        # loss), so nearly always every rank raises the same error: rank 0 prints its one line
+        # and ends its MLflow run, and when it exits torchrun stops this rank. Exiting first
+        # would make torchrun stop rank 0 before it has done so. Still running after the
+        # grace period, the error is this rank's alone: it is printed then, with the rank.
+        time.sleep(RANK_ERROR_GRACE_S)
+        raise ModbenchError(f"rank {distributed.rank()}: {e}") from None
+    if not main:
+        return 0
+    summary = {
+        "run_id": result.run_id,
+        "steps": result.steps,
+        "tokens": result.tokens,
+        "flops": result.flops,
+        "flops_per_token": result.flops_per_token,
+        "val_bpb": result.val["bpb"],
+        "test_bpb": result.test["bpb"],
+        "tokens_per_s": result.tokens_per_s,
+        "logging_overhead": result.logging_overhead,
+        "checkpoint": str(result.checkpoint),
+    }
+    if args.json or args.quiet:
+        print(json.dumps(summary))
+    else:
+        print(
+            f"done: {result.steps} steps, {result.tokens:,} tokens, {result.flops:.3g} FLOPs; "
+            f"val {result.val['bpb']:.4f} bpb, test {result.test['bpb']:.4f} bpb; "
+            f"{result.tokens_per_s:,.0f} tokens/s; logging overhead {100 * result.logging_overhead:.2f}%"
+        )
+        if result.run_id:
+            print(f"MLflow run {result.run_id} (see it with: modbench ui)")
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train one model (FLOP/token/step/time budget), tracked in MLflow")
+    add_config_flags(p)
+    p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
+    p.add_argument("--quiet", action="store_true", help="no progress bar; print one JSON summary line")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=run)

@@ -1,0 +1,51 @@
+"""``modbench variants``: the registered routing variants, their sources and config fields."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, fields
+
+from modbench import variants
+
+from modbench.errors import ModbenchError, accepted
+
+
+def describe_variants(pattern: str = "*") -> list[dict]:
+    rows = []
+    for name in variants.list_variants(pattern):
+        spec = variants.get_variant(name)
+        cfg_fields = {
+            f.name: (f.default if f.default is not MISSING else None) for f in fields(spec.config_cls)
+        }
+        scope = spec.build(8).scope
+        rows.append({"name": name, "scope": scope, "summary": spec.summary, "source": spec.source, "config": cfg_fields})
+    return rows
+
+
+def run(args) -> int:
+    rows = describe_variants(args.pattern)
+    if not rows:
+        raise ModbenchError(
+            f"no variant matches {args.pattern!r}: registered variants are {accepted(variants.list_variants())}"
+        )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"modbench variants ({len(rows)})", show_lines=True)
+    for col in ("variant", "skips", "what it does", "source", "config (defaults)"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        cfg = "\n".join(f"{k}={v}" for k, v in r["config"].items()) or "-"
+        table.add_row(r["name"], r["scope"], r["summary"], r["source"], cfg)
+    Console(width=max(Console().width, 140)).print(table)
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("variants", help="list routing variants with their source and config fields")
+    p.add_argument("pattern", nargs="?", default="*", help="shell wildcard, e.g. 'l*'")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)

@@ -1,0 +1,105 @@
+"""Model and routing configs: small frozen dataclasses that flatten for MLflow.
+
+Depth parameterisation (seed 004, after nanochat): one number sets the shape,
+
+    n_layer = depth
+    n_embd  = round_up(depth · aspect_ratio, head_dim)
+    n_head  = n_embd / head_dim
+
+with explicit overrides for each, and the hyper-parameter scalings tuned at depth 12,
+lr × (n_embd / 768)^-0.5 and weight decay × (12 / depth)².
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from modbench.config.capacity import CapacitySchedule
+from modbench.errors import ModbenchError
+from modbench.config.patterns import parse_pattern, pattern_string
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def lr_scale(n_embd: int) -> float:
+    """Seed 004: learning rate ∝ 1/√n_embd, tuned at n_embd = 768."""
+    return (n_embd / 768) ** -0.5
+
+
+def wd_scale(depth: int) -> float:
+    """Seed 004: weight decay ∝ 1/depth², tuned at depth = 12."""
+    return (12 / depth) ** 2
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    depth: int = 4
+    aspect_ratio: int = 64
+    head_dim: int = 64
+    n_layer: int | None = None  # overrides depth
+    n_embd: int | None = None  # overrides depth × aspect_ratio
+    n_head: int | None = None  # overrides n_embd / head_dim
+    vocab_size: int = 256
+    max_seq_len: int = 1024
+    mlp_ratio: int = 4
+    rope_base: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "aspect_ratio", "head_dim", "vocab_size", "max_seq_len", "mlp_ratio"):
+            if getattr(self, name) < 1:
+                raise ModbenchError(f"model.{name} must be a positive integer, got {getattr(self, name)}")
+        if self.width % self.heads:
+            raise ModbenchError(f"model.n_embd {self.width} is not divisible by n_head {self.heads}")
+        if (self.width // self.heads) % 2:
+            raise ModbenchError(f"head dimension {self.width // self.heads} must be even for RoPE")
+
+    @property
+    def layers(self) -> int:
+        return self.n_layer if self.n_layer is not None else self.depth
+
+    @property
+    def width(self) -> int:
+        if self.n_embd is not None:
+            return self.n_embd
+        return round_up(self.depth * self.aspect_ratio, self.head_dim)
+
+    @property
+    def heads(self) -> int:
+        return self.n_head if self.n_head is not None else max(1, self.width // self.head_dim)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(resolved_n_layer=self.layers, resolved_n_embd=self.width, resolved_n_head=self.heads)
+        return d
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    variant: str = "dense"
+    capacity: float = 0.125
+    schedule: str = "constant"  # 'constant' | 'log' (seed 000's log-scaled capacity)
+    pattern: str = "alternate"
+    options: dict[str, Any] = field(default_factory=dict)  # the variant's own config fields
+
+    def capacity_schedule(self, max_seq_len: int) -> CapacitySchedule:
+        return CapacitySchedule(self.capacity, self.schedule, max_seq_len)
+
+    def routed_layers(self, n_layer: int) -> tuple[bool, ...]:
+        return parse_pattern(self.pattern, n_layer)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "options"}
+        d.update({f"options.{k}": v for k, v in sorted(self.options.items())})
+        return d
+
+
+def describe(model: ModelConfig, routing: RoutingConfig) -> str:
+    flags = routing.routed_layers(model.layers)
+    return (
+        f"{model.layers} layers × d={model.width} ({model.heads} heads), "
+        f"variant={routing.variant} C={routing.capacity} ({routing.schedule}) "
+        f"pattern={pattern_string(flags)}"
+    )

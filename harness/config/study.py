@@ -1,0 +1,282 @@
+"""Declarative study files (studies/*.toml), validated before anything is written.
+
+    [study]                      # how the study runs
+    name = "quick"               # also the MLflow experiment and the Optuna study name
+    description = "…"
+    seeds = [0, 1, 2]            # every arm runs every seed, so statistics compare like with like
+    sampler = "grid"             # grid | tpe | nsga2 | random
+    pruner = "none"              # none | median | hyperband (single-objective studies only)
+    objectives = ["val_bpb"]     # val_bpb, test_bpb, flops_per_token, tokens_per_s
+    n_trials = 0                 # model-based samplers: arms to sample (each runs every seed)
+    timeout_s = 0                # stop starting new trials after this long (0: no limit)
+
+    [model]  …                   # ModelConfig fields, shared by every arm
+    [train]  …                   # TrainConfig fields (dataset, budget, seq_len, …)
+    [options.sigmoid]  …         # a variant's own config fields, for every arm of that variant
+
+    [space]                      # what varies; each key is a list of choices
+    variant  = ["dense", "norm", "sigmoid"]
+    capacity = [0.125, 0.5]      # or {low = 0.05, high = 0.5, log = true} with a model-based sampler
+    pattern  = ["alternate"]
+    schedule = ["constant"]      # "log" = seed 000's log-scaled capacity
+    lr_mult  = [1.0]
+    depth    = [4]               # model sizes (iso-FLOP studies)
+    budget   = ["flops=1e13"]    # training budgets (iso-FLOP studies)
+
+An *arm* is one point of the space; ``dense`` ignores capacity, pattern and schedule, so all
+dense points with the same depth, budget and lr_mult collapse into one arm.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from modbench import variants
+
+from modbench.config.budget import Budget
+from modbench.config.capacity import check_capacity
+from modbench.config.model import ModelConfig, RoutingConfig
+from modbench.config.io import from_mapping, read_toml
+from modbench.errors import ModbenchError, accepted
+from modbench.config.patterns import parse_pattern
+from modbench.config.run import RunConfig, TrainConfig
+
+SAMPLERS = ("grid", "tpe", "nsga2", "random")
+PRUNERS = ("none", "median", "hyperband")
+OBJECTIVES = {"val_bpb": "minimize", "test_bpb": "minimize", "flops_per_token": "minimize", "tokens_per_s": "maximize"}
+SPACE_KEYS = ("variant", "capacity", "pattern", "schedule", "lr_mult", "depth", "budget")
+SPACE_DEFAULTS: dict[str, list[Any]] = {
+    "variant": ["dense"], "capacity": [0.125], "pattern": ["alternate"], "schedule": ["constant"],
+    "lr_mult": [1.0], "depth": [], "budget": [],
+}
+TOP_KEYS = ("study", "model", "train", "options", "space")
+
+
+@dataclass(frozen=True)
+class StudySettings:
+    name: str = ""
+    description: str = ""
+    seeds: list = field(default_factory=lambda: [0])
+    sampler: str = "grid"
+    pruner: str = "none"
+    objectives: list = field(default_factory=lambda: ["val_bpb"])
+    n_trials: int = 0
+    timeout_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Range:
+    low: float
+    high: float
+    log: bool = False
+
+
+@dataclass(frozen=True)
+class Arm:
+    variant: str
+    capacity: float
+    pattern: str
+    schedule: str
+    lr_mult: float
+    depth: int
+    budget: str
+
+    @property
+    def label(self) -> str:
+        parts = [self.variant]
+        if self.variant != "dense":
+            parts += [f"C={self.capacity:g}", self.pattern] + (["log"] if self.schedule == "log" else [])
+        return " ".join(parts)
+
+    def params(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def canonical_arm(variant: str, capacity: float, pattern: str, schedule: str, lr_mult: float, depth: int, budget: str) -> Arm:
+    if variant == "dense":
+        capacity, pattern, schedule = 1.0, "-", "constant"
+    return Arm(variant, float(capacity), pattern, schedule, float(lr_mult), int(depth), budget)
+
+
+@dataclass(frozen=True)
+class Study:
+    path: Path
+    settings: StudySettings
+    base: RunConfig
+    options: dict[str, dict[str, Any]]
+    space: dict[str, Any]  # key -> list of choices, or Range for capacity / lr_mult
+    file_sha256: str
+
+    @property
+    def name(self) -> str:
+        return self.settings.name
+
+    @property
+    def directions(self) -> list[str]:
+        return [OBJECTIVES[o] for o in self.settings.objectives]
+
+    def arms(self) -> list[Arm]:
+        """Every distinct arm of a grid (choices only), in a stable order."""
+        lists = [self.space[k] for k in SPACE_KEYS]
+        seen: dict[Arm, None] = {}
+        for combo in itertools.product(*lists):
+            seen.setdefault(canonical_arm(*combo), None)
+        return list(seen)
+
+    def run_config(self, arm: Arm, seed: int, **train_overrides: Any) -> RunConfig:
+        model = replace(self.base.model, depth=arm.depth)
+        routing = RoutingConfig(arm.variant, arm.capacity, arm.schedule, arm.pattern if arm.pattern != "-" else "alternate",
+                                dict(self.options.get(arm.variant, {})))
+        train = replace(self.base.train, seed=seed, budget=arm.budget, lr=self.base.train.lr * arm.lr_mult, **train_overrides)
+        return RunConfig(model, routing, train)
+
+
+def _fail(path: Path, key: str, problem: str) -> ModbenchError:
+    return ModbenchError(f"{path}: {key}: {problem}")
+
+
+def _choices(path: Path, key: str, value: Any, check) -> list[Any]:
+    if not isinstance(value, list) or not value:
+        raise _fail(path, f"space.{key}", f"expected a non-empty list of choices, got {value!r}")
+    out = []
+    for v in value:
+        try:
+            out.append(check(v))
+        except ModbenchError as e:
+            raise _fail(path, f"space.{key}", str(e)) from None
+    if len(set(map(str, out))) != len(out):
+        raise _fail(path, f"space.{key}", f"lists a choice twice: {value!r}")
+    return out
+
+
+def load_study(path: str | Path) -> Study:
+    """Read and fully validate a study file; raise one-line ModbenchErrors naming file and key."""
+    p = Path(path)
+    raw = read_toml(p)
+    for key in raw:
+        if key not in TOP_KEYS:
+            raise _fail(p, key, f"unknown section; accepted sections are {accepted(TOP_KEYS)}")
+    settings = from_mapping(StudySettings, raw.get("study", {}), f"{p}: study")
+    if not settings.name or not all(c.isalnum() or c in "-_." for c in settings.name):
+        raise _fail(p, "study.name", f"{settings.name!r} must be a non-empty name of letters, digits, '-', '_' or '.'")
+    if settings.sampler not in SAMPLERS:
+        raise _fail(p, "study.sampler", f"{settings.sampler!r} is unknown: expected {accepted(SAMPLERS)}")
+    if settings.pruner not in PRUNERS:
+        raise _fail(p, "study.pruner", f"{settings.pruner!r} is unknown: expected {accepted(PRUNERS)}")
+    if not settings.objectives or any(o not in OBJECTIVES for o in settings.objectives):
+        raise _fail(p, "study.objectives", f"{settings.objectives!r}: expected a non-empty list of {accepted(list(OBJECTIVES))}")
+    if len(set(settings.objectives)) != len(settings.objectives):
+        raise _fail(p, "study.objectives", "lists an objective twice")
+    multi = len(settings.objectives) > 1
+    if multi and settings.pruner != "none":
+        raise _fail(p, "study.pruner", f"{settings.pruner!r} with {len(settings.objectives)} objectives: Optuna cannot prune multi-objective studies; use pruner = \"none\"")
+    if not multi and settings.sampler == "nsga2":
+        raise _fail(p, "study.sampler", "'nsga2' is for multi-objective studies: list two objectives or use 'tpe', 'grid' or 'random'")
+    seeds = settings.seeds
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds):
+        raise _fail(p, "study.seeds", f"expected a non-empty list of non-negative integers, got {seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise _fail(p, "study.seeds", "lists a seed twice")
+    if settings.n_trials < 0 or settings.timeout_s < 0 or math.isnan(settings.timeout_s):
+        raise _fail(p, "study", "n_trials and timeout_s must be >= 0")
+
+    base = RunConfig.from_dict({"model": raw.get("model", {}), "train": raw.get("train", {})}, where=str(p))
+    options_raw = raw.get("options", {})
+    if not isinstance(options_raw, dict):
+        raise _fail(p, "options", "expected tables such as [options.sigmoid]")
+    options: dict[str, dict[str, Any]] = {}
+    for variant, table in options_raw.items():
+        try:
+            options[variant] = variants.get_variant(variant).make_config(table).to_dict()
+        except ModbenchError as e:
+            raise _fail(p, f"options.{variant}", str(e)) from None
+
+    space_raw = raw.get("space", {})
+    if not isinstance(space_raw, dict) or not space_raw:
+        raise _fail(p, "space", f"is empty: give at least 'variant'; accepted keys are {accepted(SPACE_KEYS)}")
+    for key in space_raw:
+        if key not in SPACE_KEYS:
+            raise _fail(p, f"space.{key}", f"unknown key; accepted keys are {accepted(SPACE_KEYS)}")
+    space: dict[str, Any] = {}
+    space["variant"] = _choices(p, "variant", space_raw.get("variant", SPACE_DEFAULTS["variant"]), lambda v: variants.get_variant(v).name)
+    for key, check in (("capacity", check_capacity), ("lr_mult", _positive)):
+        value = space_raw.get(key, SPACE_DEFAULTS[key])
+        if isinstance(value, dict):
+            space[key] = _range(p, key, value, check)
+        else:
+            space[key] = _choices(p, key, value, check)
+    space["depth"] = _choices(p, "depth", space_raw.get("depth", [base.model.depth]), _depth)
+    space["pattern"] = _choices(p, "pattern", space_raw.get("pattern", SPACE_DEFAULTS["pattern"]), _pattern_for(space["depth"], base))
+    space["schedule"] = _choices(p, "schedule", space_raw.get("schedule", SPACE_DEFAULTS["schedule"]), _schedule)
+    space["budget"] = _choices(p, "budget", space_raw.get("budget", [base.train.budget]), _budget)
+    ranged = [k for k in ("capacity", "lr_mult") if isinstance(space[k], Range)]
+    if ranged and settings.sampler == "grid":
+        raise _fail(p, f"space.{ranged[0]}", "a {low, high} range needs a model-based sampler ('tpe', 'random' or 'nsga2'); a grid needs a list of choices")
+    if settings.sampler != "grid" and settings.n_trials < 1:
+        raise _fail(p, "study.n_trials", f"sampler {settings.sampler!r} needs n_trials >= 1 (arms to sample)")
+    digest = hashlib.sha256(p.read_bytes()).hexdigest()
+    study = Study(p, settings, base, options, space, digest)
+    if settings.sampler == "grid":
+        for arm in study.arms():  # build every arm's config once: bad combinations fail now
+            try:
+                study.run_config(arm, seeds[0])
+            except ModbenchError as e:
+                raise _fail(p, "space", f"arm {arm.label!r}: {e}") from None
+    return study
+
+
+def _positive(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or math.isinf(v):
+        raise ModbenchError(f"{v!r} is not a positive number")
+    return float(v)
+
+
+def _budget(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ModbenchError(f"budget {v!r} is not a string such as 'flops=1e13'")
+    Budget.parse(v)
+    return v
+
+
+def _depth(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ModbenchError(f"depth {v!r} is not a positive integer")
+    return v
+
+
+def _schedule(v: Any) -> str:
+    if v not in ("constant", "log"):
+        raise ModbenchError(f"schedule {v!r} is unknown: expected 'constant' or 'log'")
+    return v
+
+
+def _pattern_for(depths: list[int], base: RunConfig):
+    def check(v: Any) -> str:
+        if not isinstance(v, str):
+            raise ModbenchError(f"pattern {v!r} is not a string")
+        for d in depths:
+            parse_pattern(v, base.model.n_layer or d)
+        return v
+
+    return check
+
+
+def _range(path: Path, key: str, table: dict, check) -> Range:
+    extra = set(table) - {"low", "high", "log"}
+    if extra or "low" not in table or "high" not in table:
+        raise _fail(path, f"space.{key}", f"a range is {{low = …, high = …, log = true|false}}, got {table!r}")
+    try:
+        low, high = check(table["low"]), check(table["high"])
+    except ModbenchError as e:
+        raise _fail(path, f"space.{key}", str(e)) from None
+    if not low < high:
+        raise _fail(path, f"space.{key}", f"low {low} must be below high {high}")
+    log = table.get("log", False)
+    if not isinstance(log, bool):
+        raise _fail(path, f"space.{key}", "log must be true or false")
+    return Range(low, high, log)

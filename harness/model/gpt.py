@@ -1,0 +1,319 @@
+"""A byte-level GPT with Mixture-of-Depths routing.
+
+Read top to bottom. Notable features:
+
+- Decoder-only transformer over bytes (vocab 256 by default): token embedding, rotary
+  position embeddings (Su et al. 2021), pre-norm RMSNorm, causal
+  ``scaled_dot_product_attention``, a 4× GELU MLP and an untied output head.
+- Depth parameterisation from seed 004 (``ModelConfig``).
+- Routed layers (Raposo et al. 2024, arXiv:2404.02258): a variant's router picks the top-k
+  tokens (k from the capacity schedule); the block gathers them in ascending position
+  order together with the RoPE angles of their *original* positions, runs attention among
+  the selected tokens only (a causal mask on the sorted subset is exact), runs the MLP, and
+  adds ``weight · delta`` back with one batched ``index_add``. Unselected tokens are never
+  written, so they come out bit-identical. ``mlp_skip`` routes the MLP alone.
+- Capacity 1.0 (and the ``dense`` variant) builds plain blocks: no router, no overhead.
+- Three routing modes (``GPT.forward(..., routing_mode=...)``): ``"topk"`` is the training
+  rule above (non-causal: whether token t is selected depends on the scores of later
+  tokens); ``"causal"`` routes each token by the variant's ``decide_causal`` (its own hidden
+  state only) in one parallel pass with a boolean attention mask — a skipped token is
+  neither a query nor a key/value at that layer — which is exactly what KV-cached decoding
+  (``modbench.model.decode``) computes; ``"dense"`` runs every routed layer as a plain block on
+  every token (MoD switched off: seed 000's inference mode). The default path is unchanged.
+- No host-device synchronisation in the forward pass: k is a Python int from static
+  shapes, and nothing calls ``.item()``; the model compiles with ``fullgraph=True``.
+- Analytic FLOPs as model methods (``flops_per_token``), documented in ``modbench.model.flops``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from modbench.variants import Router, build_router
+
+from modbench.model import flops as flop_math
+from modbench.config.capacity import CapacitySchedule
+from modbench.config.model import ModelConfig, RoutingConfig
+from modbench.errors import ModbenchError, accepted
+
+ROUTING_MODES = ("topk", "causal", "dense")
+
+
+# --- rotary position embeddings -----------------------------------------------------------
+def rope_tables(max_seq_len: int, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
+    """cos, sin of shape (max_seq_len, head_dim / 2) (Su et al. 2021, RoFormer eq. 34)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate (x1, x2) halves of each head by the angles of the tokens' positions.
+
+    x: (B, H, T, hd); cos, sin: broadcastable to (B, 1, T, hd / 2).
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+# --- the transformer block ----------------------------------------------------------------
+class Attention(nn.Module):
+    def __init__(self, d: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return self.output(F.scaled_dot_product_attention(*self.project(x, cos, sin), is_causal=True))
+
+    # The causal-mode and KV-cache paths use the two halves of ``forward`` with their own masks.
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v of shape (B, H, T, hd), q and k rotated by the tokens' positions."""
+        B, T, d = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def output(self, y: Tensor) -> Tensor:
+        B, _, T, hd = y.shape
+        return self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * hd))
+
+    def forward_masked(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        """Attention with an explicit boolean mask (B, 1, T, T): True = key visible."""
+        q, k, v = self.project(x, cos, sin)
+        return self.output(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int, ratio: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, ratio * d, bias=False)
+        self.proj = nn.Linear(ratio * d, d, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """Pre-norm block; ``delta`` is what it adds to the residual stream."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.RMSNorm(cfg.width)
+        self.attn = Attention(cfg.width, cfg.heads)
+        self.norm2 = nn.RMSNorm(cfg.width)
+        self.mlp = MLP(cfg.width, cfg.mlp_ratio)
+
+    def delta(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        a = self.attn(self.norm1(x), cos, sin)
+        return a + self.mlp(self.norm2(x + a))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return x + self.delta(x, cos, sin)
+
+    def delta_masked(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        a = self.attn.forward_masked(self.norm1(x), cos, sin, mask)
+        return a + self.mlp(self.norm2(x + a))
+
+
+def causal_routing_mask(decide: Tensor) -> Tensor:
+    """(B, 1, T, T) bool: key j visible to query i iff j <= i and token j is processed.
+
+    An unprocessed query may have no visible key at all (a fully masked row gives NaN in
+    SDPA), so every query also sees itself; the outputs of unprocessed queries are
+    discarded by the caller, so this changes nothing that is kept.
+    """
+    T = decide.shape[-1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=decide.device).tril()
+    eye = torch.eye(T, dtype=torch.bool, device=decide.device)
+    return ((causal & decide.unsqueeze(1)) | eye).unsqueeze(1)
+
+
+@dataclass
+class LayerOutput:
+    x: Tensor
+    aux_losses: dict[str, Tensor] = field(default_factory=dict)
+    stats: dict[str, Tensor] = field(default_factory=dict)
+
+
+class RoutedBlock(nn.Module):
+    """A block whose router picks the k tokens it processes (scope 'block' or 'mlp')."""
+
+    def __init__(self, cfg: ModelConfig, router: Router, capacity: CapacitySchedule) -> None:
+        super().__init__()
+        self.block = Block(cfg)
+        self.router = router
+        self.capacity = capacity
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> LayerOutput:
+        B, T, d = x.shape
+        if self.router.scope == "mlp":
+            # mlp_skip: attention sees every token, the MLP only the selected ones.
+            x = x + self.block.attn(self.block.norm1(x), cos[:T], sin[:T])
+        r = self.router.route(x, self.capacity.k(T))
+        k = r.index.shape[-1]
+        # Flat row ids into the (B·T, d) view: batched gather/scatter, no loop over the batch.
+        rows = (r.index + torch.arange(B, device=x.device).unsqueeze(1) * T).reshape(-1)
+        flat = x.reshape(B * T, d)
+        xs = flat.index_select(0, rows).view(B, k, d)
+        if self.router.scope == "mlp":
+            delta = self.block.mlp(self.block.norm2(xs))
+        else:
+            pos = r.index.reshape(-1)
+            cs = cos.index_select(0, pos).view(B, 1, k, -1)
+            sn = sin.index_select(0, pos).view(B, 1, k, -1)
+            delta = self.block.delta(xs, cs, sn)
+        if r.weight is not None:
+            delta = delta * r.weight.to(delta.dtype)
+        # Under autocast the delta leaves the linears in bf16 while the residual stream stays fp32.
+        out = flat.index_add(0, rows, delta.reshape(B * k, d).to(flat.dtype)).view(B, T, d)
+        stats = dict(r.stats, layer_index=r.index) if self.router.collect_stats else r.stats
+        return LayerOutput(out, r.aux_losses, stats)
+
+    def forward_causal(self, x: Tensor, cos: Tensor, sin: Tensor) -> LayerOutput:
+        """Route each token by ``decide_causal`` (its own state), in one masked pass.
+
+        Processed tokens get ``x + causal_weight · delta``; skipped tokens come out
+        bit-identical. Every token is computed and the skipped ones discarded: this mode
+        measures quality, not speed (decoding with ``modbench.model.decode`` saves the work).
+        """
+        T = x.shape[1]
+        cos, sin = cos[:T], sin[:T]
+        if self.router.scope == "mlp":
+            x = x + self.block.attn(self.block.norm1(x), cos, sin)
+            decide = self.router.decide_causal(x)
+            delta = self.block.mlp(self.block.norm2(x))
+        else:
+            decide = self.router.decide_causal(x)
+            delta = self.block.delta_masked(x, cos, sin, causal_routing_mask(decide))
+        weight = self.router.causal_weight(x, decide)
+        if weight is not None:
+            delta = delta * weight.unsqueeze(-1).to(delta.dtype)
+        out = torch.where(decide.unsqueeze(-1), x + delta, x)
+        return LayerOutput(out, {}, {"decide": decide} if self.router.collect_stats else {})
+
+    def forward_dense(self, x: Tensor, cos: Tensor, sin: Tensor) -> LayerOutput:
+        """MoD off: a plain block on every token, router and weights ignored."""
+        T = x.shape[1]
+        return LayerOutput(self.block(x, cos[:T], sin[:T]))
+
+
+class DenseLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.block = Block(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> LayerOutput:
+        T = x.shape[1]
+        return LayerOutput(self.block(x, cos[:T], sin[:T]))
+
+
+@dataclass
+class ModelOutput:
+    logits: Tensor
+    loss: Tensor | None  # mean next-byte cross-entropy in nats
+    aux_losses: dict[str, Tensor]  # unweighted, summed over routed layers
+    stats: list[dict[str, Tensor]]  # per routed layer, when collect_stats is on
+
+
+# --- the model ----------------------------------------------------------------------------
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, routing: RoutingConfig | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.routing = routing or RoutingConfig(variant="dense", capacity=1.0)
+        schedule = self.routing.capacity_schedule(cfg.max_seq_len)
+        with torch.random.fork_rng(devices=[]):  # the probe must not shift the init RNG
+            probe = build_router(self.routing.variant, cfg.width, self.routing.options)
+        self.routed_flags = self.routing.routed_layers(cfg.layers)
+        if probe.scope == "none" or schedule.is_dense:
+            self.routed_flags = tuple(False for _ in self.routed_flags)
+        self.schedule = schedule
+
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.width)
+        layers = []
+        for routed in self.routed_flags:
+            if routed:
+                router = build_router(self.routing.variant, cfg.width, self.routing.options)
+                layers.append(RoutedBlock(cfg, router, schedule))
+            else:
+                layers.append(DenseLayer(cfg))
+        self.layers = nn.ModuleList(layers)
+        self.norm = nn.RMSNorm(cfg.width)
+        self.head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.max_seq_len, cfg.width // cfg.heads, cfg.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        # GPT-2 init: N(0, 0.02), residual projections scaled by 1/√(2·n_layer).
+        for name, p in self.named_parameters():
+            if ".router." in name:
+                continue  # routers initialise themselves
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * self.cfg.layers) if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    @property
+    def routers(self) -> list[Router]:
+        return [layer.router for layer in self.layers if isinstance(layer, RoutedBlock)]
+
+    def set_collect_stats(self, on: bool) -> None:
+        for r in self.routers:
+            r.collect_stats = on
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None, *, routing_mode: str = "topk") -> ModelOutput:
+        """Logits (and loss); ``routing_mode`` is "topk" (training), "causal" or "dense"."""
+        B, T = idx.shape
+        if T > self.cfg.max_seq_len:
+            raise ModbenchError(
+                f"sequence length {T} exceeds the model's max_seq_len {self.cfg.max_seq_len}: "
+                f"use T <= {self.cfg.max_seq_len} or raise model.max_seq_len"
+            )
+        if routing_mode not in ROUTING_MODES:
+            raise ModbenchError(f"routing mode {routing_mode!r} is unknown: expected {accepted(ROUTING_MODES)}")
+        x = self.embed(idx)
+        aux: dict[str, Tensor] = {}
+        stats: list[dict[str, Tensor]] = []
+        for layer in self.layers:
+            if routing_mode == "topk" or not isinstance(layer, RoutedBlock):
+                out = layer(x, self.rope_cos, self.rope_sin)
+            elif routing_mode == "causal":
+                out = layer.forward_causal(x, self.rope_cos, self.rope_sin)
+            else:
+                out = layer.forward_dense(x, self.rope_cos, self.rope_sin)
+            x = out.x
+            for name, value in out.aux_losses.items():
+                aux[name] = aux[name] + value if name in aux else value
+            if out.stats:
+                stats.append(out.stats)
+        logits = self.head(self.norm(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(B * T, -1).float(), targets.reshape(-1))
+        return ModelOutput(logits, loss, aux, stats)
+
+    def weighted_aux_loss(self, aux: dict[str, Tensor], step: int) -> Tensor | None:
+        """Σ_name weight(name, step) · aux[name]: the one path by which aux losses enter."""
+        if not aux:
+            return None
+        weights = self.routers[0].aux_weights(step)
+        total = None
+        for name, value in aux.items():
+            term = weights.get(name, 0.0) * value
+            total = term if total is None else total + term
+        return total
+
+    # --- FLOPs ---------------------------------------------------------------------------
+    def flops_per_token(self, seq_len: int, *, causal: bool = True, backward: bool = True) -> float:
+        """Analytic training (or forward-only) FLOPs per token; see ``modbench.model.flops``."""
+        return flop_math.model_flops(self, seq_len, causal=causal, backward=backward).per_token
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

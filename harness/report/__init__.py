@@ -1,0 +1,7 @@
+"""Reports: statistics, tables and figures read from a study's stored results.
+
+Owns: ``collect`` (Optuna + MLflow rows into pandas), ``stats`` and ``stats_text``
+(scipy statistics and their sentences), ``plots``, ``routing_analysis`` and ``build`` (the
+markdown report). May import: ``modbench.errors``, ``config``, ``data``, ``model`` and
+``track``; never ``run`` or ``study.runner`` (a report reads results, it does not train).
+"""

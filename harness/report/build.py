@@ -1,0 +1,279 @@
+"""``modbench report``: a study's markdown report with statistics, tables and plots.
+
+reports/<study>/report.md, its PNGs and the data as CSV. Statistics (modbench.report.stats): per-arm
+mean and 95% t-interval over seeds; every routed arm against the dense arm of its group
+(same depth, budget and LR multiplier, so iso-FLOP) with Welch's t-test, Mann–Whitney U and
+Hedges' g, p-values Holm-corrected over every comparison in the report. Every sentence in the
+summary is generated from those numbers.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from modbench.report import plots
+from modbench.report.collect import ReportData, collect
+from modbench.report.routing_analysis import analyse
+from modbench.report.stats import compare_to_baseline, holm, pareto_front, summarize
+from modbench.report.stats_text import describe_comparison
+from modbench.config.study import load_study
+
+ALPHA = 0.05
+SPEED_SPREAD_TOLERANCE = 1.25  # fastest / slowest seed of one arm above this: the machine was busy
+
+
+def fmt(x, digits: int = 4) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}" if abs(x) < 1e4 else f"{x:.3g}"
+    return str(x)
+
+
+def md_table(df: pd.DataFrame) -> str:
+    return df.map(lambda v: fmt(v) if not isinstance(v, str) else v).to_markdown(index=False)
+
+
+def arm_table(data: ReportData) -> pd.DataFrame:
+    done = data.done
+    if done.empty:
+        return pd.DataFrame()
+    summary = summarize(done, "val_bpb", by="arm", ci=0.95, method="t")
+    extra = done.groupby("arm").agg(variant=("variant", "first"), capacity=("capacity", "first"), group=("group", "first"),
+                                    flops_per_token=("flops_per_token", "mean"), tokens_per_s=("tokens_per_s", "max"),
+                                    slowest_tokens_per_s=("tokens_per_s", "min"),
+                                    steps=("steps", "mean"), test_bpb=("test_bpb", "mean"))
+    # Other processes can only slow a run down, so the fastest seed is the least disturbed
+    # measurement of an arm's speed (as pytest-benchmark takes the minimum time); the spread
+    # between its fastest and slowest seed shows how quiet the machine was.
+    extra["tokens_per_s_spread"] = extra["tokens_per_s"] / extra.pop("slowest_tokens_per_s")
+    failed = data.trials[data.trials.state == "FAIL"].groupby("arm").size().rename("n_failed_trials")
+    out = summary.merge(extra, left_on="arm", right_index=True).merge(failed, left_on="arm", right_index=True, how="left")
+    out["n_failed_trials"] = out["n_failed_trials"].fillna(0).astype(int)
+    return out.sort_values(["group", "mean"]).reset_index(drop=True)
+
+
+def comparisons(data: ReportData, arms: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """Each group's routed arms vs its dense arm; Holm over the whole report's family."""
+    frames, notes = [], []
+    for group, g in data.done.groupby("group"):
+        dense = g[g.variant == "dense"]["arm"].unique()
+        if len(dense) == 0:
+            notes.append(f"group {group}: no dense baseline in this study, so no comparison against dense is possible")
+            continue
+        c = compare_to_baseline(g, "val_bpb", baseline=dense[0], by="arm", alpha=ALPHA, correction="holm")
+        c["group"] = group
+        frames.append(c)
+    if not frames:
+        return pd.DataFrame(), notes
+    comp = pd.concat(frames, ignore_index=True)
+    for raw, adj in (("welch_p", "welch_p_adj"), ("mwu_p", "mwu_p_adj")):
+        defined = comp[raw].notna()
+        comp[adj] = None
+        if defined.any():
+            comp.loc[defined, adj] = holm(comp.loc[defined, raw].astype(float).tolist())
+    m = int(comp["mwu_p"].notna().sum()) or 1
+    comp["mwu_min_p_adj"] = (comp["mwu_min_p"] * m).clip(upper=1.0)
+    comp["can_reach_significance"] = (comp["mwu_min_p_adj"] <= ALPHA) & (comp["n_arm"] >= 2) & (comp["n_base"] >= 2)
+    comp["correction"] = "holm"
+    return comp, notes
+
+
+def summary_rows(arms: pd.DataFrame, comp: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    rows, sentences = [], []
+    for group, g in arms.groupby("group"):
+        g = g[g["mean"].notna()]
+        if g.empty:
+            continue
+        best = g.sort_values("mean").iloc[0]
+        row = {"group": group, "best arm": best["arm"], "val bpb": best["mean"],
+               "95% CI": f"[{fmt(best['ci_low'])}, {fmt(best['ci_high'])}]" if best["ci_low"] is not None and not pd.isna(best["ci_low"]) else "n/a (n<2)",
+               "n": int(best["n"]), "Holm p vs dense (Welch)": "baseline" if best["variant"] == "dense" else "n/a"}
+        if best["variant"] != "dense" and not comp.empty:
+            c = comp[(comp.group == group) & (comp.arm == best["arm"])]
+            if len(c):
+                row["Holm p vs dense (Welch)"] = fmt(c.iloc[0]["welch_p_adj"])
+        rows.append(row)
+    if not comp.empty:
+        for _, c in comp.sort_values("mean_diff", na_position="last").iterrows():
+            sentences.append(describe_comparison(c, unit="bpb"))
+    return pd.DataFrame(rows), sentences
+
+
+def build_report(study_path: str | Path, *, storage: str | None = None, out_dir: str | Path = "runs/studies",
+                 reports_dir: str | Path = "reports", uri: str | None = None, command: str | None = None,
+                 progress: bool = False) -> Path:
+    study = load_study(study_path)
+    data = collect(study, storage=storage, out_dir=out_dir, uri=uri, progress=progress)
+    dest = Path(reports_dir) / study.name
+    dest.mkdir(parents=True, exist_ok=True)
+    data.trials.to_csv(dest / "trials.csv", index=False)
+    data.curves.to_csv(dest / "curves.csv", index=False)
+    lines = [f"# Study report: {study.name}", "", study.settings.description, ""]
+    counts = data.trials.state.value_counts().to_dict() if len(data.trials) else {}
+    expected = (len(study.arms()) if study.settings.sampler == "grid" else study.settings.n_trials) * len(study.settings.seeds)
+    lines += [f"Trials: {counts.get('COMPLETE', 0)} complete of {expected} planned"
+              + "".join(f", {n} {s.lower()}" for s, n in sorted(counts.items()) if s != "COMPLETE")
+              + f"; seeds per arm: {len(study.settings.seeds)}; dataset `{study.base.train.dataset}`; "
+              f"every arm trains for the same budget `{study.base.train.budget}`" + (" (per group)" if "budget" in study.space and len(study.space["budget"]) > 1 else "") + ".", ""]
+    if data.done.empty:
+        lines += ["**No trial has finished yet**, so there is nothing to compare. Run `modbench study run` first.", ""]
+        return _finish(lines, data, dest, study_path, command)
+
+    arms = arm_table(data)
+    arms.to_csv(dest / "arms.csv", index=False)
+    comp, notes = comparisons(data, arms)
+    if not comp.empty:
+        comp.to_csv(dest / "comparisons.csv", index=False)
+    table, sentences = summary_rows(arms, comp)
+    lines += ["## Summary", "", md_table(table), ""]
+    lines += [f"- {s}" for s in sentences] + [f"- {n}" for n in notes]
+    if (arms["n"] < 2).any():
+        lines.append("- Arms with fewer than two successful seeds have no interval and no test: "
+                     + ", ".join(arms[arms["n"] < 2]["arm"]) + ".")
+    if arms["n_failed"].sum() or arms["n_failed_trials"].sum():
+        lines.append("- Failed trials are excluded from every statistic; see the arm table's failure counts.")
+    lines += ["", "Method: mean over seeds with a 95% t-interval; Welch's t-test and Mann–Whitney U (exact where "
+              "possible) against the dense arm of the same group (same depth, FLOP budget and LR multiplier), "
+              "effect size Hedges' g; p-values Holm-corrected across all comparisons in this report. "
+              f"'can reach significance' is false when even a perfect separation could not give a corrected "
+              f"Mann–Whitney p ≤ {ALPHA} with the seeds given.", ""]
+
+    lines += ["## Arms", "", md_table(arms[["arm", "group", "n", "n_failed_trials", "mean", "std", "ci_low", "ci_high", "test_bpb",
+                                          "flops_per_token", "tokens_per_s", "tokens_per_s_spread", "steps"]].rename(columns={"mean": "val bpb", "ci_low": "CI low", "ci_high": "CI high"})), ""]
+    if not comp.empty:
+        show = comp[["arm", "baseline", "n_arm", "n_base", "mean_diff", "hedges_g", "welch_p", "welch_p_adj", "mwu_p", "mwu_p_adj",
+                     "mwu_min_p_adj", "can_reach_significance", "note"]]
+        lines += ["## Comparisons against dense", "", md_table(show.assign(can_reach_significance=show.can_reach_significance.map({True: "yes", False: "no"}))), ""]
+
+    curves_png = plots.validation_curves(data.curves, dest / "curves.png") if len(data.curves) else None
+    if curves_png:
+        lines += ["## Validation curves", "", "![validation curves](curves.png)", ""]
+
+    front_flops = pareto_front(arms.assign(m=arms["mean"].astype(float)), minimize=["m", "flops_per_token"])
+    front_speed = pareto_front(arms.assign(m=arms["mean"].astype(float)), minimize=["m"], maximize=["tokens_per_s"])
+    plots.pareto_scatter(arms, "flops_per_token", "training FLOPs per token", front_flops, dest / "pareto_flops.png")
+    plots.pareto_scatter(arms, "tokens_per_s", "training tokens / s", front_speed, dest / "pareto_speed.png")
+    lines += ["## Pareto fronts", "",
+              "Arms not dominated in (validation bpb ↓, FLOPs per token ↓): " + ", ".join(arms[front_flops.values]["arm"]) + ".", "",
+              "![bpb vs FLOPs](pareto_flops.png)", "",
+              "Arms not dominated in (validation bpb ↓, tokens/s ↑) — wall-clock on this machine: " + ", ".join(arms[front_speed.values]["arm"]) + ".", "",
+              "![bpb vs tokens/s](pareto_speed.png)", ""]
+    if arms[arms.variant != "dense"]["capacity"].nunique() > 1:
+        plots.capacity_vs_bpb(arms, dest / "capacity.png")
+        lines += ["## Capacity", "", "![capacity vs bpb](capacity.png)", ""]
+    plots.throughput_bars(arms, dest / "throughput.png")
+    lines += ["## Throughput", "", "Measured training throughput: tokens/s of each arm's fastest seed (other processes "
+              "can only slow a run down); FLOPs are analytic (see harness/flops.py).", "",
+              "![throughput](throughput.png)", ""] + _throughput_caveat(arms)
+    lines += _causal_section(data)
+    lines += _routing_section(data, dest, Path(out_dir) / study.name / "trials", progress)
+    return _finish(lines, data, dest, study_path, command)
+
+
+def _throughput_caveat(arms: pd.DataFrame, tolerance: float = SPEED_SPREAD_TOLERANCE) -> list[str]:
+    """A warning, from the data, when seeds of one arm ran at very different speeds."""
+    spread = arms["tokens_per_s_spread"].astype(float)
+    if not (spread > tolerance).any():
+        return []
+    worst = arms.loc[spread.idxmax()]
+    return [f"**Throughput is noisy in this study**: the fastest seed of {(spread > tolerance).sum()} of {len(arms)} arms "
+            f"ran more than {tolerance:g}× faster than its slowest (worst: {worst['arm']}, "
+            f"{worst['tokens_per_s_spread']:.2f}×), so the machine was not quiet while it ran. Tokens/s here and the "
+            "speed Pareto front are indicative only; the controlled speed measurements are the benchmark suite's "
+            "(`make bench`, reports/bench/). Losses and FLOPs are unaffected.", ""]
+
+
+def _causal_section(data: ReportData) -> list[str]:
+    cols = ["val/causal_gap", "val/dense_gap", "val/causal_agreement", "val/causal_fraction", "val/topk_leak_rate"]
+    present = [c for c in cols if c in data.done]
+    routed = data.done[data.done.variant != "dense"]
+    if not present or routed.empty:
+        return []
+    t = routed.groupby("arm")[present].mean().reset_index()
+    return ["## Train/inference gap", "",
+            "bpb under the causal decode-time rule and with MoD switched off, minus the training-time top-k bpb "
+            "(means over seeds); agreement of the causal rule with top-k membership; realised causal fraction; "
+            "top-k leak rate (how often future tokens change a past routing decision).", "", md_table(t), ""]
+
+
+def _routing_section(data: ReportData, dest: Path, trials_dir: Path, progress: bool = False) -> list[str]:
+    from tqdm.auto import tqdm
+
+    routed = data.done[data.done.variant != "dense"].sort_values("seed")
+    if routed.empty:
+        return []
+    positions, classes, overlaps = [], [], []
+    arms = routed.groupby("arm")
+    for arm, g in tqdm(arms, total=arms.ngroups, desc="routing analysis", unit="arm", disable=not progress):
+        ckpt = trials_dir / f"trial-{int(g.iloc[0]['number'])}" / "checkpoint.pt"
+        if not ckpt.is_file():
+            continue
+        res = analyse(ckpt)
+        positions.append(res["positions"].assign(arm=arm))
+        classes.append(res["classes"].assign(arm=arm))
+        if len(res["overlap"]):
+            overlaps.append({"arm": arm, "mean Jaccard between routed layers": res["overlap"]["jaccard"].mean()})
+        heat = trials_dir / f"trial-{int(g.iloc[0]['number'])}" / "routing_heatmap.png"
+        if heat.is_file() and not (dest / "routing_heatmap.png").exists():
+            shutil.copy(heat, dest / "routing_heatmap.png")
+    if not positions:
+        return ["## Routing", "", "No trial checkpoints were found, so routing could not be analysed.", ""]
+    pos = pd.concat(positions)
+    plots.routing_by_position(pos, dest / "routing_positions.png")
+    cls = pd.concat(classes).groupby(["arm", "byte_class"])["rate"].mean().unstack()
+    out = ["## Routing", "", "Measured on 16 fixed validation windows with each arm's first seed.", "",
+           "![routing by position](routing_positions.png)", "",
+           "Fraction of tokens processed, by byte class of the token (mean over routed layers):", "",
+           cls.reset_index().pipe(md_table), ""]
+    if overlaps:
+        out += ["Overlap of the selected sets between routed layers (1 = the same tokens every layer):", "",
+                md_table(pd.DataFrame(overlaps)), ""]
+    if "val/hard_precision" in data.done:
+        hard = data.done[data.done.variant != "dense"].groupby("arm")[["val/hard_precision", "val/hard_recall", "val/hard_base_rate"]].mean().reset_index()
+        out += ["Routing against ground truth (arithmetic task: hard = answer digits of multiplications):", "", md_table(hard), ""]
+    if (dest / "routing_heatmap.png").exists():
+        out += ["Processed positions on one validation window (first routed arm, first seed):", "", "![routing heatmap](routing_heatmap.png)", ""]
+    return out
+
+
+def _finish(lines: list[str], data: ReportData, dest: Path, study_path, command: str | None) -> Path:
+    import torch
+
+    tags = data.tags
+    env = {
+        "device": tags.get("device", "n/a"),
+        "torch": tags.get("torch_version", torch.__version__),
+        "python": tags.get("python_version", platform.python_version()),
+        "git sha": tags.get("git_sha", "n/a"),
+        "dataset": data.study.base.train.dataset,
+        "dataset sha256": tags.get("dataset_sha256", "n/a"),
+        "study file": _portable(str(study_path)),
+        "study file sha256": data.study.file_sha256,
+        "Optuna storage": _portable(data.storage),
+    }
+    lines += ["## Environment", "", pd.DataFrame({"": list(env), "value": list(env.values())}).to_markdown(index=False), "",
+              "## Reproduce", "", "```bash",
+              f"modbench study run {_portable(str(study_path))}", _portable(command or f"modbench report {study_path}"), "```", "",
+              "Data: `trials.csv` (every trial), `arms.csv`, `comparisons.csv`, `curves.csv` beside this file.", ""]
+    path = dest / "report.md"
+    text = "\n".join(lines)
+    path.write_text(text)
+    return path
+
+
+def _portable(text: str) -> str:
+    """Paths under the working directory written relative to it: reports travel between machines."""
+    cwd = str(Path.cwd().resolve())
+    return text.replace(cwd + "/", "")
+
+
+def command_line() -> str:
+    return "modbench " + " ".join(shlex.quote(a) for a in sys.argv[1:])

@@ -1,0 +1,97 @@
+"""Held-out evaluation: loss in nats, bits per byte, and routing against ground truth.
+
+Every arm is evaluated on the same fixed windows of the split (``data.eval_windows``), so
+differences between arms are differences between models, not between samples. On the
+``arithmetic`` corpus the router's selections are scored against the hard-byte labels: the
+computation at position t serves the prediction of byte t+1, so position t counts as hard
+when its *target* byte is hard.
+
+With ``modes=True`` (the final evaluation of a run) the model is also scored in the two
+other routing modes of ``GPT.forward`` on the same windows — ``causal`` (each token routed
+by ``decide_causal``: what decoding computes) and ``dense`` (MoD switched off) — giving
+``causal_bpb``, ``dense_bpb`` and the gaps ``causal_gap`` = causal − topk and
+``dense_gap`` = dense − topk, plus the causal predictor's agreement with top-k, the
+realised causal fraction and the top-k leak rate (``modbench.run.causal_eval.causal_metrics``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import nullcontext
+
+import torch
+from torch import Tensor
+
+from modbench.model.gpt import GPT
+
+
+@torch.no_grad()
+def evaluate(
+    model: GPT,
+    x: Tensor,
+    y: Tensor,
+    *,
+    batch_size: int,
+    device: torch.device,
+    autocast: torch.autocast | None = None,
+    hard_labels: Tensor | None = None,
+    modes: bool = False,
+) -> dict[str, float]:
+    # The random control draws from the global RNG: evaluation must not shift training's draws.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        result = _evaluate(model, x, y, batch_size, device, autocast, hard_labels)
+        if modes:
+            from modbench.run.causal_eval import causal_metrics
+
+            result.update(causal_metrics(model, x, y, batch_size=batch_size, device=device, autocast=autocast))
+            result["causal_gap"] = result["causal_bpb"] - result["bpb"]
+            result["dense_gap"] = result["dense_bpb"] - result["bpb"]
+        return result
+
+
+def _evaluate(model, x, y, batch_size, device, autocast, hard_labels) -> dict[str, float]:
+    was_training = model.training
+    model.eval()
+    want_routing = hard_labels is not None and bool(model.routers)
+    model.set_collect_stats(want_routing)
+    total, count = 0.0, 0
+    hits = torch.zeros(len(model.routers))
+    chosen = torch.zeros(len(model.routers))
+    hard_total = 0.0
+    try:
+        for xb, i, out in windowed_forward(model, x, y, batch_size, device, autocast):
+            total += out.loss.float().item() * xb.numel()
+            count += xb.numel()
+            if want_routing:
+                hard = hard_labels[i : i + batch_size].to(device).bool()
+                hard_total += hard.sum().item()
+                for layer, stats in enumerate(out.stats):
+                    sel = torch.zeros_like(hard).scatter_(1, stats["layer_index"], True)
+                    hits[layer] += (sel & hard).sum().item()
+                    chosen[layer] += sel.sum().item()
+    finally:
+        model.set_collect_stats(False)
+        model.train(was_training)
+    loss = total / count
+    result = {"loss": loss, "bpb": loss / math.log(2)}
+    if want_routing:
+        precision = hits / chosen.clamp_min(1)
+        recall = hits / max(hard_total, 1.0)
+        result["hard_precision"] = precision.mean().item()
+        result["hard_recall"] = recall.mean().item()
+        result["hard_base_rate"] = hard_total / count
+        for layer in range(len(model.routers)):
+            result[f"hard_precision_L{layer}"] = precision[layer].item()
+            result[f"hard_recall_L{layer}"] = recall[layer].item()
+    return result
+
+
+def windowed_forward(model: GPT, x: Tensor, y: Tensor, batch_size: int, device: torch.device,
+                     autocast: torch.autocast | None = None, **forward_kwargs) -> Iterator[tuple[Tensor, int, object]]:
+    """(inputs, first window index, model output) for each batch of fixed eval windows."""
+    for i in range(0, x.shape[0], batch_size):
+        xb, yb = x[i : i + batch_size].to(device), y[i : i + batch_size].to(device)
+        with autocast or nullcontext():
+            out = model(xb, yb, **forward_kwargs)
+        yield xb, i, out

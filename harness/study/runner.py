@@ -1,0 +1,351 @@
+"""Run an ablation study from a study file with Optuna, tracked in MLflow.
+
+- Storage: SQLite in the study's output folder by default; ``--storage`` takes any SQLAlchemy
+  URL (PostgreSQL for workers on several machines running the same command). Heartbeats mark
+  a killed worker's trial FAILED once its grace period passes, and a retry callback queues the
+  same (arm, seed) again, so nothing is lost and nothing is run twice.
+- A trial is one (arm, seed). Grid studies queue every arm × seed when the study is created;
+  model-based samplers propose an arm and queue the remaining seeds of that arm, so every arm
+  runs the same seeds and statistics compare like with like.
+- Re-running the command resumes: finished trials are never repeated; ``--n-trials`` caps how
+  many this invocation runs (and lets a model-based study sample more arms than its file says).
+- MLflow: one experiment per study, a parent run for the study and a child run per trial, with
+  the trial's number, params, state and objective values. Pruned trials end KILLED, failed ones
+  FAILED.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from modbench.errors import ModbenchError
+from modbench.config.study import OBJECTIVES, Arm, Range, Study, canonical_arm, load_study
+from modbench.track.optuna_store import connect_storage, default_storage, hide_password, study_dir
+from modbench.track.tracking import Tracker, fail_stale_runs, tracking_uri
+from modbench.run.train import train
+
+FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+PARENT_ATTR = "mlflow_parent_run_id"  # set once the study is fully created (see _create_or_load)
+CREATION_WAIT_S = 300.0  # how long a worker waits for another to finish creating the study
+
+
+@dataclass
+class StudyOutcome:
+    name: str
+    storage: str
+    ran: int
+    counts: dict[str, int]
+    best: dict[str, Any] | None
+    seconds: float
+
+
+def open_storage(url: str, experiment: str, *, heartbeat: int, grace: int, max_retry: int = 2) -> optuna.storages.RDBStorage:
+    with warnings.catch_warnings():  # heartbeats are marked experimental in Optuna 5
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
+
+        def on_stale(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+            # The worker died: its MLflow child run must not stay RUNNING forever.
+            run_id = trial.user_attrs.get("mlflow_run_id")
+            if run_id:
+                fail_stale_runs(experiment, run_ids=[run_id])
+            retry(study, trial)
+
+        return connect_storage(url, heartbeat_interval=heartbeat, grace_period=grace,
+                               heartbeat_stale_trial_callback=on_stale)
+
+
+def make_sampler(study: Study) -> optuna.samplers.BaseSampler:
+    seed = study.settings.seeds[0]
+    return {
+        "grid": lambda: optuna.samplers.RandomSampler(seed=seed),  # never consulted: every grid trial is queued
+        "random": lambda: optuna.samplers.RandomSampler(seed=seed),
+        "tpe": lambda: optuna.samplers.TPESampler(seed=seed, multivariate=True),
+        "nsga2": lambda: optuna.samplers.NSGAIISampler(seed=seed),
+    }[study.settings.sampler]()
+
+
+def make_pruner(study: Study) -> optuna.pruners.BasePruner:
+    return {
+        "none": optuna.pruners.NopPruner,
+        "median": lambda: optuna.pruners.MedianPruner(n_startup_trials=len(study.settings.seeds), n_warmup_steps=1),
+        "hyperband": optuna.pruners.HyperbandPruner,
+    }[study.settings.pruner]()
+
+
+def arm_params(arm: Arm) -> dict[str, Any]:
+    """Optuna params of an arm; dense has no capacity, pattern or schedule (conditional space)."""
+    params = {"variant": arm.variant}
+    if arm.variant != "dense":
+        params.update(capacity=arm.capacity, pattern=arm.pattern, schedule=arm.schedule)
+    params.update(lr_mult=arm.lr_mult, depth=arm.depth, budget=arm.budget)
+    return params
+
+
+def suggest_arm(trial: optuna.Trial, study: Study) -> Arm:
+    space = study.space
+
+    def pick(name: str):
+        choices = space[name]
+        if isinstance(choices, Range):
+            return trial.suggest_float(name, choices.low, choices.high, log=choices.log)
+        return trial.suggest_categorical(name, choices)
+
+    variant = pick("variant")
+    capacity, pattern, schedule = (1.0, "-", "constant") if variant == "dense" else (pick("capacity"), pick("pattern"), pick("schedule"))
+    return canonical_arm(variant, capacity, pattern, schedule, pick("lr_mult"), pick("depth"), pick("budget"))
+
+
+def objective_values(study: Study, result) -> list[float]:
+    source = {
+        "val_bpb": result.val["bpb"],
+        "test_bpb": result.test["bpb"],
+        "flops_per_token": result.flops_per_token,
+        "tokens_per_s": result.tokens_per_s,
+    }
+    return [source[o] for o in study.settings.objectives]
+
+
+class Runner:
+    def __init__(self, study: Study, storage_url: str, out_dir: Path, *, heartbeat: int, grace: int) -> None:
+        self.study = study
+        self.out_dir = out_dir
+        self.storage_url = storage_url
+        self.storage = open_storage(storage_url, study.name, heartbeat=heartbeat, grace=grace)
+        self.optuna = self._create_or_load()
+
+    # --- study creation: exactly one worker creates, queues the grid and the parent run ----
+    def _create_or_load(self) -> optuna.Study:
+        s = self.study
+        kwargs = dict(storage=self.storage, study_name=s.name, sampler=make_sampler(s), pruner=make_pruner(s))
+        if len(s.directions) == 1:
+            kwargs["direction"] = s.directions[0]
+        else:
+            kwargs["directions"] = s.directions
+        try:
+            study = optuna.create_study(load_if_exists=False, **kwargs)
+            created = True
+        except optuna.exceptions.DuplicatedStudyError:
+            study = optuna.load_study(storage=self.storage, study_name=s.name, sampler=kwargs["sampler"], pruner=kwargs["pruner"])
+            created = False
+        if created:
+            study.set_user_attr("study_file_sha256", s.file_sha256)
+            study.set_user_attr("objectives", s.settings.objectives)
+            parent = Tracker(s.name, run_name=f"study {s.name}", tags={"modbench.study": s.name, "modbench.role": "study"}).start()
+            parent.log_params({"study.file": str(s.path), "study.sampler": s.settings.sampler, "study.pruner": s.settings.pruner,
+                               "study.seeds": s.settings.seeds, "study.objectives": s.settings.objectives,
+                               "study.file_sha256": s.file_sha256, **{f"base.{k}": v for k, v in s.base.to_dict().items()}})
+            parent.flush()
+            if s.settings.sampler == "grid":
+                for arm in s.arms():
+                    for seed in s.settings.seeds:
+                        study.enqueue_trial(arm_params(arm), user_attrs={"seed": seed, "arm": arm.label})
+            # Set last: it tells the other workers the study is complete (parent run and the
+            # whole grid queued). Set earlier, a worker could find an empty queue and stop.
+            study.set_user_attr(PARENT_ATTR, parent.run_id)
+        else:
+            if study.directions != [optuna.study.StudyDirection.MINIMIZE if d == "minimize" else optuna.study.StudyDirection.MAXIMIZE for d in s.directions]:
+                raise ModbenchError(f"study {s.name!r} in {self.storage_url} has other objectives than {s.path}: give the study a new name")
+            if study.user_attrs.get("study_file_sha256") != s.file_sha256:
+                logging.getLogger("modbench").warning("%s changed since the study was created; finished trials keep their settings", s.path)
+            deadline = time.monotonic() + CREATION_WAIT_S
+            while PARENT_ATTR not in study.user_attrs:  # a worker that lost the creation race waits
+                if time.monotonic() > deadline:
+                    raise ModbenchError(
+                        f"study {s.name!r} in {hide_password(self.storage_url)} was created but never finished "
+                        f"initialising (its creating worker may have died within {CREATION_WAIT_S:g} s): "
+                        f"delete it (optuna delete-study --study-name {s.name} --storage URL) or rename the study"
+                    )
+                time.sleep(0.2)
+                study = optuna.load_study(storage=self.storage, study_name=s.name, sampler=kwargs["sampler"], pruner=kwargs["pruner"])
+        return study
+
+    @property
+    def parent_run_id(self) -> str | None:
+        return self.optuna.user_attrs.get(PARENT_ATTR)
+
+    # --- one trial ----------------------------------------------------------------------------
+    def objective(self, trial: optuna.Trial) -> float | list[float]:
+        s = self.study
+        seed = trial.user_attrs.get("seed")
+        if seed is None:
+            if s.settings.sampler == "grid":
+                # Another worker took the last queued trial between our check and our ask.
+                trial.set_user_attr("surplus", True)
+                raise optuna.TrialPruned("grid exhausted")
+            arm = suggest_arm(trial, s)
+            seed = s.settings.seeds[0]
+            trial.set_user_attr("seed", seed)
+            trial.set_user_attr("arm", arm.label)
+            trial.set_user_attr("sampled", True)
+            for other in s.settings.seeds[1:]:
+                self.optuna.enqueue_trial(trial.params, user_attrs={"seed": other, "arm": arm.label})
+        else:
+            arm = suggest_arm(trial, s)
+        cfg = s.run_config(arm, seed, out_dir=str(study_dir(s, self.out_dir) / "trials"), run_name=f"trial-{trial.number}",
+                           experiment=s.name, track=False)
+        tags = {"modbench.study": s.name, "optuna.trial_number": str(trial.number), "modbench.arm": arm.label,
+                "modbench.seed": str(seed), "optuna.state": "RUNNING"}
+        tracker = Tracker(s.name, run_name=f"trial-{trial.number} {arm.label} s{seed}", parent_run_id=self.parent_run_id, tags=tags)
+        multi = len(s.directions) > 1
+
+        def report(step: int, val: dict[str, float]) -> None:
+            if multi or s.settings.pruner == "none":
+                return
+            trial.report(val["bpb"], step)
+            if trial.should_prune():
+                raise optuna.TrialPruned(f"pruned at step {step} (val bpb {val['bpb']:.4f})")
+
+        with tracker:
+            trial.set_user_attr("mlflow_run_id", tracker.run_id)
+            trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+            tracker.log_params({"trial.number": trial.number, "trial.seed": seed, **{f"arm.{k}": v for k, v in arm.params().items()}})
+            try:
+                result = train(cfg, tracker=tracker, progress=False, on_eval=report)
+            except optuna.TrialPruned:
+                tracker.set_tags({"optuna.state": "PRUNED"})
+                tracker.end("KILLED")
+                raise
+            except Exception:
+                tracker.set_tags({"optuna.state": "FAIL"})
+                raise
+            values = objective_values(s, result)
+            tracker.log_metrics({f"objective/{o}": v for o, v in zip(s.settings.objectives, values)}, result.steps)
+            tracker.set_tags({"optuna.state": "COMPLETE"})
+        for k, v in (("val_bpb", result.val["bpb"]), ("test_bpb", result.test["bpb"]), ("flops_per_token", result.flops_per_token),
+                     ("tokens_per_s", result.tokens_per_s), ("steps", result.steps)):
+            trial.set_user_attr(k, v)
+        if any(not math.isfinite(v) for v in values):
+            raise ModbenchError(f"trial {trial.number} produced a non-finite objective {values}")
+        return values[0] if len(values) == 1 else values
+
+    # --- the worker loop ----------------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for t in self.optuna.get_trials(deepcopy=False):
+            if t.user_attrs.get("surplus"):
+                continue
+            out[t.state.name] = out.get(t.state.name, 0) + 1
+        return out
+
+    def expected_total(self) -> int:
+        s = self.study
+        arms = len(s.arms()) if s.settings.sampler == "grid" else s.settings.n_trials
+        return arms * len(s.settings.seeds)
+
+    def sampled_arms(self) -> int:
+        return sum(1 for t in self.optuna.get_trials(deepcopy=False) if t.user_attrs.get("sampled"))
+
+    def run(self, *, max_trials: int | None, progress: bool, timeout_s: float | None) -> int:
+        s = self.study
+        grid = s.settings.sampler == "grid"
+        start = time.monotonic()
+        ran = 0
+        bar = _Progress(progress, self)
+        try:
+            while max_trials is None or ran < max_trials:
+                if timeout_s and time.monotonic() - start > timeout_s:
+                    break
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    optuna.storages.fail_stale_trials(self.optuna)
+                waiting = self.optuna.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+                if not waiting:
+                    if grid:
+                        break
+                    if max_trials is None and self.sampled_arms() >= s.settings.n_trials:
+                        break
+                self.optuna.optimize(self.objective, n_trials=1, catch=(ModbenchError,))
+                ran += 1
+                bar.update()
+        finally:
+            bar.close()
+        self._maybe_finish_parent()
+        return ran
+
+    def _maybe_finish_parent(self) -> None:
+        counts = self.counts()
+        if counts.get("WAITING", 0) or counts.get("RUNNING", 0):
+            return
+        done = sum(counts.get(k, 0) for k in ("COMPLETE", "PRUNED", "FAIL"))
+        if done < self.expected_total() or not self.parent_run_id:
+            return
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri())
+        best = best_trials(self.optuna)
+        for i, t in enumerate(best[:1]):
+            for name, value in zip(self.study.settings.objectives, t.values):
+                client.log_metric(self.parent_run_id, f"best/{name}", value)
+        for state, n in counts.items():
+            client.log_metric(self.parent_run_id, f"trials/{state.lower()}", n)
+        client.set_terminated(self.parent_run_id, "FINISHED")
+
+
+def best_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    complete = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
+    if not complete:
+        return []
+    if len(study.directions) == 1:
+        return [study.best_trial]
+    return study.best_trials
+
+
+class _Progress:
+    """Trials done / total (all workers), best so far, ETA."""
+
+    def __init__(self, enabled: bool, runner: Runner) -> None:
+        self.runner = runner
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            done = sum(runner.counts().get(k, 0) for k in ("COMPLETE", "PRUNED", "FAIL"))
+            self.bar = tqdm(total=runner.expected_total(), initial=done, desc=f"study {runner.study.name}", unit="trial", dynamic_ncols=True)
+
+    def update(self) -> None:
+        if self.bar is None:
+            return
+        counts = self.runner.counts()
+        done = sum(counts.get(k, 0) for k in ("COMPLETE", "PRUNED", "FAIL"))
+        self.bar.total = max(self.bar.total, done + counts.get("WAITING", 0) + counts.get("RUNNING", 0))
+        self.bar.n = done
+        best = best_trials(self.runner.optuna)
+        if best:
+            self.bar.set_postfix(best=f"{best[0].values[0]:.4f} ({best[0].user_attrs.get('arm', '?')})")
+        self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_study(path: str | Path, *, storage: str | None = None, out_dir: str | Path = "runs/studies",
+              n_trials: int | None = None, progress: bool = True, heartbeat: int = 10, grace: int = 30) -> StudyOutcome:
+    study = load_study(path)
+    if n_trials is not None and n_trials < 1:
+        raise ModbenchError(f"--n-trials must be >= 1, got {n_trials}")
+    url = storage or default_storage(study, out_dir)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    t0 = time.monotonic()
+    runner = Runner(study, url, Path(out_dir), heartbeat=heartbeat, grace=grace)
+    timeout = study.settings.timeout_s or None
+    ran = runner.run(max_trials=n_trials, progress=progress, timeout_s=timeout)
+    best = best_trials(runner.optuna)
+    best_info = None
+    if best:
+        b = best[0]
+        best_info = {"trial": b.number, "arm": b.user_attrs.get("arm"), "seed": b.user_attrs.get("seed"),
+                     **dict(zip(study.settings.objectives, b.values))}
+    return StudyOutcome(study.name, url, ran, runner.counts(), best_info, time.monotonic() - t0)

@@ -1,0 +1,6 @@
+"""Results: where a run's record, metrics and checkpoint are written and read back.
+
+Owns: the MLflow tracker (``tracking``), checkpoints (``checkpoint``) and provenance tags
+(git sha, environment). May import: ``modbench.errors`` and ``modbench.config``. Both the
+trainer (writing) and the report (reading) import this package, never each other.
+"""

@@ -1,0 +1,31 @@
+"""Checkpoints that resume a run exactly: weights, optimizer, step, RNG states, run id.
+
+Written atomically (temp file + rename) so a run killed mid-save never leaves a checkpoint
+that loads but is half-written.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from modbench.errors import ModbenchError
+
+
+def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ModbenchError(f"no checkpoint at {path}: run without --resume first, or check --out-dir/--run-name")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise ModbenchError(f"checkpoint {path} cannot be read ({type(e).__name__}): delete it and start again") from None

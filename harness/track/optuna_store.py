@@ -1,0 +1,65 @@
+"""The Optuna side of the results store: where a study's trials live and how to read them.
+
+Both the study runner (writing trials) and the report (reading them) use this module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+
+from modbench.config.study import OBJECTIVES, Study
+from modbench.errors import ModbenchError
+
+
+def study_dir(study: Study, out_dir: str | Path) -> Path:
+    return Path(out_dir) / study.name
+
+
+def default_storage(study: Study, out_dir: str | Path) -> str:
+    path = study_dir(study, out_dir) / "optuna.db"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path.resolve()}"
+
+
+def connect_storage(url: str, **kwargs) -> optuna.storages.RDBStorage:
+    """Optuna's RDB storage at ``url``; an unreachable or malformed URL is a one-line error."""
+    try:
+        return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True}, **kwargs)
+    except Exception as e:  # sqlalchemy raises many kinds; the user needs the URL and the reason
+        reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)[:200]
+        raise ModbenchError(
+            f"cannot open Optuna storage {hide_password(url)!r}: {reason}; check the URL and that the database "
+            "server is running (e.g. postgresql+psycopg://user@host:5432/db or sqlite:///path/optuna.db)"
+        ) from None
+
+
+def hide_password(url: str) -> str:
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not even a URL: show it as given
+        return url
+
+
+def trials_frame(name: str, storage: str):
+    """Every trial of a study as a pandas frame (state, arm, seed, objectives, user attrs)."""
+    import pandas as pd
+
+    try:
+        study = optuna.load_study(study_name=name, storage=connect_storage(storage))
+    except KeyError:
+        raise ModbenchError(f"no study named {name!r} in {hide_password(storage)}: run 'modbench study run "
+                            "<study file>' first, or pass the --storage it ran on") from None
+    columns = ["number", "state", "arm", "seed", *OBJECTIVES, "steps", "mlflow_run_id", "worker"]
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        if t.user_attrs.get("surplus"):
+            continue
+        row = {"number": t.number, "state": t.state.name, "arm": t.user_attrs.get("arm"), "seed": t.user_attrs.get("seed")}
+        row.update({k: v for k, v in t.params.items()})
+        row.update({k: t.user_attrs.get(k) for k in (*OBJECTIVES, "steps", "mlflow_run_id", "worker")})
+        rows.append(row)
+    return pd.DataFrame(rows, columns=list(dict.fromkeys(columns + [k for r in rows for k in r])))

@@ -1,0 +1,60 @@
+"""Where a run came from: the git commit of this checkout and the software it ran on.
+
+Logged as MLflow tags on every run and printed at the bottom of every report, so a number can
+always be traced to the code that produced it.
+"""
+
+from __future__ import annotations
+
+import platform
+import socket
+import subprocess
+from pathlib import Path
+
+from modbench import __version__
+
+_PKG_DIR = Path(__file__).resolve().parent
+
+
+def _git(*args: str) -> str | None:
+    try:
+        proc = subprocess.run(
+            ["git", *args],
+            cwd=_PKG_DIR,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def git_sha() -> str:
+    """Commit of the repository containing this package, ``-dirty`` when tracked files
+    have uncommitted changes; ``unknown`` outside a git checkout (for example a wheel
+    installed into a virtualenv that happens to sit inside some other repository)."""
+    sha = _git("rev-parse", "HEAD")
+    if not sha or _git("ls-files", "--error-unmatch", "__init__.py") is None:
+        return "unknown"
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return sha + "-dirty" if status else sha
+
+
+def environment_tags() -> dict[str, str]:
+    """Tags describing where a run came from: git sha, torch/python/modbench versions,
+    platform and hostname."""
+    try:
+        import torch
+
+        torch_version = str(torch.__version__)
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        torch_version = "unavailable"
+    return {
+        "git_sha": git_sha(),
+        "torch_version": torch_version,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "modbench_version": __version__,
+        "hostname": socket.gethostname(),
+    }

@@ -1,0 +1,548 @@
+"""A thin, batched MLflow logger.
+
+:class:`Tracker` wraps one MLflow run through an explicit ``MlflowClient`` (never the
+global fluent API state), so several trackers and tracking URIs can coexist in one
+process and nothing leaks between tests. Metrics are buffered and sent with
+``MlflowClient.log_batch`` every ``flush_every`` calls; ``Tracker.seconds`` accumulates
+the wall time spent inside the tracker so the caller can report logging overhead.
+
+The default store is SQLite (``sqlite:///<cwd>/mlflow.db``), never the deprecated
+``./mlruns`` file store, and experiments created here keep their artifacts next to the
+database in ``<dir of mlflow.db>/mlartifacts/<experiment>/``.
+
+``mlflow`` is imported lazily (it takes seconds), so ``--no-track`` runs, which use
+:class:`NullTracker`, never pay for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from modbench.errors import ModbenchError, accepted
+from modbench.track.provenance import environment_tags
+
+# MLflow's limits (mlflow/utils/validation.py); a log_batch call exceeding them is refused.
+MAX_PARAMS_PER_BATCH = 100
+MAX_TAGS_PER_BATCH = 100
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAM_VALUE_LENGTH = 6000
+
+PARENT_RUN_TAG = "mlflow.parentRunId"
+HEARTBEAT_TAG = "modbench.heartbeat"
+STATUSES = ("FINISHED", "FAILED", "KILLED")
+
+_NETWORK_DEFAULT_PORTS = {
+    "http": 80,
+    "https": 443,
+    "postgresql": 5432,
+    "postgres": 5432,
+    "mysql": 3306,
+    "mssql": 1433,
+}
+_CONNECT_TIMEOUT_S = 5.0
+
+
+# --------------------------------------------------------------------------- URIs / tags
+
+
+def tracking_uri() -> str:
+    """``$MLFLOW_TRACKING_URI`` if set (a tracking server works unchanged), else an absolute
+    ``sqlite:///<cwd>/mlflow.db``. Never the ./mlruns file store."""
+    env = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    if env:
+        return env
+    return "sqlite:///" + (Path.cwd().resolve() / "mlflow.db").as_posix()
+
+
+def _sqlite_db_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI, made absolute; None for other URIs or
+    an in-memory database."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    raw = uri[len("sqlite:///") :].split("?", 1)[0]
+    if not raw or raw == ":memory:":
+        return None
+    return (Path.cwd() / raw).resolve()
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _quiet_mlflow_logging() -> None:
+    """MLflow and alembic log INFO lines when a database is first created/migrated."""
+    for name in ("alembic", "alembic.runtime.migration", "mlflow.store.db.utils"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return " ".join(text.splitlines()[0].split())
+
+
+def _unreachable(uri: str, reason: str) -> ModbenchError:
+    return ModbenchError(
+        f"cannot reach MLflow tracking store at {uri}: {reason}; set MLFLOW_TRACKING_URI "
+        "to a reachable server or database (default: sqlite:///<cwd>/mlflow.db), "
+        "or run with --no-track"
+    )
+
+
+def _check_network_store(uri: str) -> None:
+    """Fail within seconds for a server or database that refuses connections; MLflow
+    itself retries for minutes before giving up."""
+    try:
+        parts = urlsplit(uri)
+        scheme = parts.scheme.split("+", 1)[0].lower()
+        host, port = parts.hostname, parts.port
+    except ValueError as exc:
+        raise _unreachable(uri, f"malformed URI ({exc})") from None
+    if scheme not in _NETWORK_DEFAULT_PORTS or not host:
+        return
+    try:
+        with socket.create_connection(
+            (host, port or _NETWORK_DEFAULT_PORTS[scheme]), timeout=_CONNECT_TIMEOUT_S
+        ):
+            pass
+    except OSError as exc:
+        raise _unreachable(uri, _first_line(exc)) from None
+
+
+def _connect(uri: str):
+    """An ``MlflowClient`` for ``uri`` whose store answered one query."""
+    _check_network_store(uri)
+    _quiet_mlflow_logging()
+    from mlflow.tracking import MlflowClient
+
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        client.search_experiments(max_results=1)
+    except Exception as exc:  # any failure to reach/open the store is the user's to fix
+        raise _unreachable(uri, _first_line(exc)) from exc
+    return client
+
+
+def artifact_root(uri: str) -> str | None:
+    """``<dir of mlflow.db>/mlartifacts`` for a SQLite store, where every experiment keeps
+    its artifacts; None (the server decides) otherwise."""
+    db = _sqlite_db_path(uri)
+    return None if db is None else (db.parent / "mlartifacts").as_posix()
+
+
+def _artifact_location(uri: str, experiment: str) -> str | None:
+    """``<artifact_root>/<experiment>`` for a SQLite store; None otherwise."""
+    root = artifact_root(uri)
+    if root is None:
+        return None
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", experiment).strip("._") or "experiment"
+    return f"{root}/{slug}"
+
+
+def _get_or_create_experiment(client, name: str, uri: str) -> str:
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        try:
+            return client.create_experiment(
+                name, artifact_location=_artifact_location(uri, name)
+            )
+        except MlflowException:
+            # Another worker may have created it between our lookup and create.
+            exp = client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+    if exp.lifecycle_stage != "active":
+        raise ModbenchError(
+            f"MLflow experiment {name!r} is deleted; restore it "
+            f"(mlflow experiments restore --experiment-id {exp.experiment_id}) "
+            "or choose another experiment name"
+        )
+    return exp.experiment_id
+
+
+def _to_float(value: Any) -> float:
+    if hasattr(value, "item"):  # torch tensors, numpy scalars and 0-d arrays
+        value = value.item()
+    return float(value)
+
+
+def _param_value(value: object) -> str:
+    text = str(value)
+    if len(text) <= MAX_PARAM_VALUE_LENGTH:
+        return text
+    note = f"...[truncated from {len(text)} chars]"
+    return text[: MAX_PARAM_VALUE_LENGTH - len(note)] + note
+
+
+def _chunks(items: list, size: int):
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+# --------------------------------------------------------------------------- Tracker
+
+
+class Tracker:
+    """One MLflow run with buffered metrics.
+
+    Metrics are sent with ``MlflowClient.log_batch`` every ``flush_every`` calls of
+    :meth:`log_metrics` (and at :meth:`flush`/:meth:`end`); ``seconds`` is the wall time
+    spent inside the tracker. Pass ``run_id`` to resume an existing run.
+    """
+
+    def __init__(
+        self,
+        experiment: str,
+        *,
+        run_name: str | None = None,
+        parent_run_id: str | None = None,
+        tags: dict[str, str] | None = None,
+        uri: str | None = None,
+        flush_every: int = 20,
+        run_id: str | None = None,
+    ) -> None:
+        if flush_every < 1:
+            raise ValueError(f"flush_every must be >= 1, got {flush_every}")
+        self.experiment = experiment
+        self.run_name = run_name
+        self.parent_run_id = parent_run_id
+        self.extra_tags = {str(k): str(v) for k, v in (tags or {}).items()}
+        self.uri = uri or tracking_uri()
+        self.flush_every = flush_every
+        self.seconds = 0.0
+        self.experiment_id: str | None = None
+        self._run_id = run_id
+        self._client = None
+        self._buffer: list = []
+        self._calls_since_flush = 0
+        self._started = False
+        self._ended = False
+        self._depth = 0
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    @contextmanager
+    def _timed(self):
+        self._depth += 1
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self.seconds += time.perf_counter() - t0
+
+    def _require_started(self) -> None:
+        if not self._started:
+            raise RuntimeError("Tracker.start() has not been called")
+        if self._ended:
+            raise RuntimeError(f"MLflow run {self._run_id} has already ended")
+
+    @property
+    def run_id(self) -> str:
+        if self._run_id is None:
+            raise RuntimeError("Tracker.start() has not been called")
+        return self._run_id
+
+    @property
+    def client(self):
+        """The underlying ``MlflowClient`` (after :meth:`start`)."""
+        self._require_started()
+        return self._client
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> "Tracker":
+        if self._started:
+            return self
+        with self._timed():
+            client = _connect(self.uri)
+            tags = {**environment_tags(), **self.extra_tags}
+            if tags["git_sha"] != "unknown":  # shown by the MLflow UI
+                tags["mlflow.source.git.commit"] = tags["git_sha"].removesuffix("-dirty")
+            if self._run_id is not None:
+                self._resume(client, tags)
+            else:
+                self.experiment_id = _get_or_create_experiment(client, self.experiment, self.uri)
+                if self.parent_run_id:
+                    tags[PARENT_RUN_TAG] = self.parent_run_id
+                run = client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
+                self._run_id = run.info.run_id
+            self._client = client
+            self._started = True
+        return self
+
+    def _resume(self, client, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = client.get_run(self._run_id)
+        except MlflowException:
+            raise ModbenchError(
+                f"cannot resume MLflow run {self._run_id!r}: no such run at {self.uri}"
+            ) from None
+        exp = client.get_experiment(run.info.experiment_id)
+        if exp.name != self.experiment:
+            raise ModbenchError(
+                f"cannot resume MLflow run {self._run_id!r}: it belongs to experiment "
+                f"{exp.name!r}, not {self.experiment!r}"
+            )
+        if run.info.lifecycle_stage != "active":
+            raise ModbenchError(f"cannot resume MLflow run {self._run_id!r}: it is deleted")
+        self.experiment_id = exp.experiment_id
+        client.update_run(self._run_id, status="RUNNING")
+        tag_list = [RunTag(k, v) for k, v in tags.items()]
+        for chunk in _chunks(tag_list, MAX_TAGS_PER_BATCH):
+            client.log_batch(self._run_id, tags=chunk, synchronous=True)
+
+    def end(self, status: str = "FINISHED") -> None:
+        if status not in STATUSES:
+            raise ValueError(f"status must be {accepted(STATUSES)}, got {status!r}")
+        if not self._started or self._ended:
+            return
+        with self._timed():
+            try:
+                self._flush()
+            finally:
+                self._ended = True
+                self._client.set_terminated(self._run_id, status=status)
+
+    def __enter__(self) -> "Tracker":
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.end("FINISHED")
+            return False
+        status = "KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED"
+        try:
+            self.end(status)
+        except Exception as end_exc:  # never mask the exception that is escaping
+            logging.getLogger(__name__).warning(
+                "could not end MLflow run %s as %s: %s", self._run_id, status, end_exc
+            )
+        return False
+
+    # ------------------------------------------------------------------ logging
+
+    def log_params(self, params: dict[str, object]) -> None:
+        if not params:
+            return
+        from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
+
+        self._require_started()
+        with self._timed():
+            items = [Param(str(k), _param_value(v)) for k, v in params.items()]
+            for chunk in _chunks(items, MAX_PARAMS_PER_BATCH):
+                try:
+                    self._client.log_batch(self._run_id, params=chunk, synchronous=True)
+                except MlflowException as exc:
+                    if "Changing param values is not allowed" in str(exc):
+                        raise ModbenchError(
+                            f"MLflow run {self._run_id} already has different values for "
+                            "some of these params (params cannot change, e.g. on --resume "
+                            f"with another config): {_first_line(exc)}"
+                        ) from None
+                    raise
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        if not tags:
+            return
+        from mlflow.entities import RunTag
+
+        self._require_started()
+        with self._timed():
+            items = [RunTag(str(k), str(v)) for k, v in tags.items()]
+            for chunk in _chunks(items, MAX_TAGS_PER_BATCH):
+                self._client.log_batch(self._run_id, tags=chunk, synchronous=True)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Buffer ``metrics`` at ``step``; None values are dropped, tensors and numpy
+        scalars become floats, NaN/inf are kept (a diverging run stays visible)."""
+        from mlflow.entities import Metric
+
+        self._require_started()
+        with self._timed():
+            timestamp = int(time.time() * 1000)
+            step = int(step)
+            for key, value in metrics.items():
+                if value is None:
+                    continue
+                self._buffer.append(Metric(str(key), _to_float(value), timestamp, step))
+            self._calls_since_flush += 1
+            if (
+                self._calls_since_flush >= self.flush_every
+                or len(self._buffer) >= MAX_METRICS_PER_BATCH
+            ):
+                self._flush()
+
+    def flush(self) -> None:
+        if not self._started or self._ended:
+            return
+        with self._timed():
+            self._flush()
+
+    def _flush(self) -> None:
+        from mlflow.entities import RunTag
+
+        self._calls_since_flush = 0
+        heartbeat = [RunTag(HEARTBEAT_TAG, f"{time.time():.3f}")]
+        if not self._buffer:
+            return
+        while self._buffer:
+            chunk = self._buffer[:MAX_METRICS_PER_BATCH]
+            self._client.log_batch(self._run_id, metrics=chunk, tags=heartbeat, synchronous=True)
+            del self._buffer[: len(chunk)]
+
+    def log_dict(self, obj: dict, artifact_file: str) -> None:
+        """Write ``obj`` as JSON, or YAML when ``artifact_file`` ends in .yaml/.yml;
+        values JSON cannot encode (paths, dtypes, ...) are written as strings."""
+        self._require_started()
+        with self._timed():
+            plain = json.loads(json.dumps(obj, default=str))
+            name = Path(artifact_file).name
+            with tempfile.TemporaryDirectory(prefix="modbench-artifact-") as tmp:
+                path = Path(tmp) / name
+                if name.endswith((".yaml", ".yml")):
+                    import yaml
+
+                    path.write_text(yaml.safe_dump(plain, sort_keys=False))
+                else:
+                    path.write_text(json.dumps(plain, indent=2) + "\n")
+                self._client.log_artifact(self._run_id, str(path), _artifact_dir(artifact_file))
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Log a file, or every file under a directory."""
+        self._require_started()
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"artifact to log does not exist: {path}")
+        with self._timed():
+            if path.is_dir():
+                self._client.log_artifacts(self._run_id, str(path), artifact_path)
+            else:
+                self._client.log_artifact(self._run_id, str(path), artifact_path)
+
+    def log_figure(self, fig, artifact_file: str) -> None:
+        """Log a matplotlib figure (saved in the format its extension names)."""
+        self._require_started()
+        with self._timed():
+            self._client.log_figure(self._run_id, fig, artifact_file)
+
+
+def _artifact_dir(artifact_file: str) -> str | None:
+    parent = Path(artifact_file).parent.as_posix()
+    return None if parent in ("", ".") else parent
+
+
+# --------------------------------------------------------------------------- NullTracker
+
+
+class NullTracker:
+    """The :class:`Tracker` API doing nothing (``--no-track`` and tests)."""
+
+    run_id = None
+    experiment_id = None
+    seconds = 0.0
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def start(self) -> "NullTracker":
+        return self
+
+    def log_params(self, params: dict[str, object]) -> None:
+        pass
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def log_dict(self, obj: dict, artifact_file: str) -> None:
+        pass
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        pass
+
+    def log_figure(self, fig, artifact_file: str) -> None:
+        pass
+
+    def end(self, status: str = "FINISHED") -> None:
+        if status not in STATUSES:
+            raise ValueError(f"status must be {accepted(STATUSES)}, got {status!r}")
+
+    def __enter__(self) -> "NullTracker":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        return False
+
+
+# --------------------------------------------------------------------------- stale runs
+
+
+def fail_stale_runs(
+    experiment: str,
+    *,
+    uri: str | None = None,
+    older_than_s: float = 0,
+    run_ids: list[str] | None = None,
+) -> int:
+    """Mark RUNNING runs of ``experiment`` as FAILED, for workers that died without
+    ending their run. A run counts as stale when its last sign of life (the latest of
+    its start time and the heartbeat tag each metric flush writes) is more than
+    ``older_than_s`` seconds ago; ``run_ids`` restricts the candidates. Returns how many
+    runs were changed (0 when the experiment does not exist)."""
+    from mlflow.entities import ViewType
+
+    uri = uri or tracking_uri()
+    client = _connect(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return 0
+    wanted = set(run_ids) if run_ids is not None else None
+    running = []
+    token = None
+    while True:  # collect every page first: terminating runs would shift the pages
+        page = client.search_runs(
+            [exp.experiment_id],
+            filter_string="attributes.status = 'RUNNING'",
+            run_view_type=ViewType.ACTIVE_ONLY,
+            max_results=1000,
+            page_token=token,
+        )
+        running.extend(page)
+        token = page.token
+        if not token:
+            break
+    now = time.time()
+    changed = 0
+    for run in running:
+        if wanted is not None and run.info.run_id not in wanted:
+            continue
+        last = (run.info.start_time or 0) / 1000.0
+        try:
+            last = max(last, float(run.data.tags.get(HEARTBEAT_TAG, 0)))
+        except ValueError:
+            pass
+        if now - last >= older_than_s:
+            client.set_terminated(run.info.run_id, status="FAILED")
+            changed += 1
+    return changed

@@ -1,0 +1,1 @@
+"""Study files shipped with modbench (``modbench.studies``): TOML, read with importlib.resources."""
