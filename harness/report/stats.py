@@ -382,50 +382,67 @@ def compare_to_baseline(
         empty.attrs["reason"] = f"baseline {baseline!r} not in the results"
         return empty
     y, base_failed = groups[baseline]
-    rows: list[dict] = []
-    for label, (x, arm_failed) in groups.items():
-        if label == baseline:
-            continue
-        n1, n2 = int(x.size), int(y.size)
-        notes: list[str] = []
-        row = dict(
-            arm=label, baseline=baseline, n_arm=n1, n_base=n2,
-            mean_diff=_opt(x.mean() - y.mean()) if n1 and n2 else None,
-            hedges_g=None, welch_t=None, welch_p=None, mwu_u=None, mwu_p=None, mwu_method="",
-            mwu_min_p=mwu_min_p(n1, n2), metric=metric, correction=correction, alpha=alpha,
-        )
-        if n1 == 0 or n2 == 0:
-            for name, n, failed in ((label, n1, arm_failed), (baseline, n2, base_failed)):
-                if n == 0:
-                    notes.append(f"no successful trials in {name} ({failed} failed)")
-            notes[-1] += ": no comparison possible"
-        elif n1 < 2 or n2 < 2:
-            where = (
-                "both groups" if n1 < 2 and n2 < 2 else ("arm" if n1 < 2 else "baseline")
-            )
-            notes.append(f"n=1 in {where}: no test possible")
-        else:
-            row["hedges_g"] = hedges_g(x, y)
-            if _constant(x) and _constant(y):
-                notes.append("zero variance in both groups: Welch test and Hedges' g undefined")
-            else:
-                row["welch_t"], row["welch_p"] = _welch(x, y)
-                if row["welch_p"] is None:
-                    notes.append("Welch test undefined for these values")
-            row["mwu_u"], row["mwu_p"], row["mwu_method"] = _mannwhitney(x, y)
-        row["_notes"] = notes
-        rows.append(row)
-
+    rows = [
+        _compare_pair(label, x, arm_failed, baseline, y, base_failed, metric, correction, alpha)
+        for label, (x, arm_failed) in groups.items()
+        if label != baseline
+    ]
     for test in ("welch", "mwu"):
-        defined = [r for r in rows if r[f"{test}_p"] is not None]
-        adjusted = _adjust([r[f"{test}_p"] for r in defined], correction)
-        for r in rows:
-            r[f"{test}_p_adj"] = None
-        for r, p in zip(defined, adjusted):
-            r[f"{test}_p_adj"] = p
+        _adjust_family(rows, test, correction)
+    _mark_attainability(rows, correction, alpha)
+    for r in rows:
+        r["note"] = "; ".join(r.pop("_notes"))
+    return _frame(rows, Comparison, _COMPARISON_NULLABLE)
 
-    # Best-case adjusted Mann-Whitney p. Holm multiplies the smallest p of the family by m, so no
-    # adjusted p can be below m * (smallest attainable p in the family); BH can leave a p as is.
+
+def _compare_pair(label: str, x: np.ndarray, arm_failed: int, baseline: str, y: np.ndarray, base_failed: int,
+                  metric: str, correction: str, alpha: float) -> dict:
+    """One arm against the baseline, before any correction; ``_notes`` collects the reasons."""
+    n1, n2 = int(x.size), int(y.size)
+    notes: list[str] = []
+    row = dict(
+        arm=label, baseline=baseline, n_arm=n1, n_base=n2,
+        mean_diff=_opt(x.mean() - y.mean()) if n1 and n2 else None,
+        hedges_g=None, welch_t=None, welch_p=None, mwu_u=None, mwu_p=None, mwu_method="",
+        mwu_min_p=mwu_min_p(n1, n2), metric=metric, correction=correction, alpha=alpha,
+    )
+    if n1 == 0 or n2 == 0:
+        for name, n, failed in ((label, n1, arm_failed), (baseline, n2, base_failed)):
+            if n == 0:
+                notes.append(f"no successful trials in {name} ({failed} failed)")
+        notes[-1] += ": no comparison possible"
+    elif n1 < 2 or n2 < 2:
+        where = "both groups" if n1 < 2 and n2 < 2 else ("arm" if n1 < 2 else "baseline")
+        notes.append(f"n=1 in {where}: no test possible")
+    else:
+        row["hedges_g"] = hedges_g(x, y)
+        if _constant(x) and _constant(y):
+            notes.append("zero variance in both groups: Welch test and Hedges' g undefined")
+        else:
+            row["welch_t"], row["welch_p"] = _welch(x, y)
+            if row["welch_p"] is None:
+                notes.append("Welch test undefined for these values")
+        row["mwu_u"], row["mwu_p"], row["mwu_method"] = _mannwhitney(x, y)
+    row["_notes"] = notes
+    return row
+
+
+def _adjust_family(rows: list[dict], test: str, correction: str) -> None:
+    """Set ``{test}_p_adj``: the correction over the rows whose ``{test}_p`` is defined."""
+    defined = [r for r in rows if r[f"{test}_p"] is not None]
+    adjusted = _adjust([r[f"{test}_p"] for r in defined], correction)
+    for r in rows:
+        r[f"{test}_p_adj"] = None
+    for r, p in zip(defined, adjusted):
+        r[f"{test}_p_adj"] = p
+
+
+def _mark_attainability(rows: list[dict], correction: str, alpha: float) -> None:
+    """Best-case adjusted Mann-Whitney p and ``can_reach_significance`` for every row.
+
+    Holm multiplies the smallest p of the family by m, so no adjusted p can be below
+    m * (smallest attainable p in the family); BH can leave a p as is.
+    """
     family = [r for r in rows if r["mwu_p"] is not None]  # every row with n >= 2 on both sides
     m = len(family)
     floor = min((r["mwu_min_p"] for r in family), default=1.0)
@@ -441,8 +458,6 @@ def compare_to_baseline(
             if best != r["mwu_min_p"]:
                 msg += f" ({CORRECTION_NAMES[correction]}-adjusted over {m}: {_num(best)})"
             r["_notes"].append(msg + f" > alpha = {_num(alpha)}")
-        r["note"] = "; ".join(r.pop("_notes"))
-    return _frame(rows, Comparison, _COMPARISON_NULLABLE)
 
 
 # --------------------------------------------------------------------------- Pareto
