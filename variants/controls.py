@@ -1,4 +1,14 @@
-"""The two reference points every study needs: ``dense`` and ``random``.
+"""The reference points every study needs: ``dense`` and the random-routing controls.
+
+Random controls (what a learned router must beat to have learned anything):
+
+- ``random``: k uniformly random tokens per routed layer, delta added unweighted.
+- ``random_gated``: random selection, but the delta is weighted by a learned gate
+  sigmoid(w·x), the gate of ``sigmoid`` (Raposo et al. 2024 §3.3). It separates what the
+  *selection* contributes from what the *gate* contributes: ``sigmoid`` vs ``random_gated``
+  differ in the selection only. (``norm`` has no gate, so ``random`` is its control.)
+- ``random_mlp``: random selection at scope "mlp" (attention on every token, the MLP on the
+  selected ones, delta weighted by the same learned gate), the control of ``mlp_skip``.
 
 ``dense`` is the baseline transformer: every layer processes every token (the model builds
 plain blocks; no router exists). ``random`` keeps k uniformly random tokens per routed layer
@@ -22,13 +32,14 @@ RNG, and it is not saved (it is rebuilt identically).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .base import QuantileThreshold, Router, Routing, VariantConfig
+from .linear_router import LinearScorer
 from .registry import register_variant
 
 
@@ -98,3 +109,39 @@ class RandomRouter(Router):
 def build_random(d_model: int, config: RandomConfig) -> RandomRouter:
     """Control: k uniformly random tokens per routed layer, unweighted."""
     return RandomRouter(config, d_model)
+
+
+class RandomGatedRouter(RandomRouter):
+    """Random selection; the delta of a selected token is weighted by sigmoid(w·x)."""
+
+    def __init__(self, config: RandomConfig, d_model: int) -> None:
+        super().__init__(config, d_model)
+        self.gate = LinearScorer(d_model)
+
+    def route(self, x: Tensor, k: int) -> Routing:
+        routing = super().route(x, k)
+        weight = torch.sigmoid(self.gate(x).gather(-1, routing.index)).unsqueeze(-1)
+        return replace(routing, weight=weight)
+
+    def causal_weight(self, x: Tensor, decide: Tensor) -> Tensor:
+        return torch.sigmoid(self.gate(x))
+
+    def flops_per_token(self, d_model: int) -> tuple[float, float]:
+        return LinearScorer.flops(d_model)
+
+
+class RandomMlpRouter(RandomGatedRouter):
+    scope = "mlp"
+
+
+@register_variant("random_gated", config=RandomConfig,
+                  source="control: random top-k with sigmoid's learned gate (Raposo et al. 2024 §3.3)")
+def build_random_gated(d_model: int, config: RandomConfig) -> RandomGatedRouter:
+    """Control of ``sigmoid``: k random tokens, delta × sigmoid(w·x) with a learned w."""
+    return RandomGatedRouter(config, d_model)
+
+
+@register_variant("random_mlp", config=RandomConfig, source="control: random top-k at MLP scope, learned gate")
+def build_random_mlp(d_model: int, config: RandomConfig) -> RandomMlpRouter:
+    """Control of ``mlp_skip``: attention on all tokens, the MLP on k random ones, gated."""
+    return RandomMlpRouter(config, d_model)

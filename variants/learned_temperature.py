@@ -1,11 +1,11 @@
 """``learned_temperature``: sigmoid routing with a learnable temperature and regularisers.
 
-Source: seed 003 (MoD v2): p = sigmoid(r / τ) with τ a learnable scalar clamped to
+Source: an unpublished enwik8 MoD development report (2025; its v2 router): p = sigmoid(r / τ) with τ a learnable scalar clamped to
 [τ_min, τ_max] = [0.1, 5] (initialised at 2), an entropy regulariser that rewards uncertain
-routing probabilities (seed 003 maximises the binary entropy to prevent collapse) and a
+routing probabilities (the report maximises the binary entropy to prevent collapse) and a
 balance loss (mean p − capacity)² that keeps the soft processing rate at the capacity. Both
-losses ramp in linearly over ``aux_warmup_steps`` (seed 003's progressive schedule). Unlike
-seed 003, selection is a real top-k, so the compute saving is real. Causal rule: threshold
+losses ramp in linearly over ``aux_warmup_steps`` (the report's progressive schedule). Unlike
+the report, selection is a real top-k, so the compute saving is real. Causal rule: threshold
 at the running k-th-largest logit.
 """
 
@@ -81,7 +81,7 @@ class LearnedTemperatureRouter(Router):
         return LinearScorer.flops(d_model)
 
 
-@register_variant("learned_temperature", config=LearnedTemperatureConfig, source="seed 003 (MoD v2 router, entropy + balance losses)")
+@register_variant("learned_temperature", config=LearnedTemperatureConfig, source="an enwik8 MoD development report (2025, unpublished): v2 router, entropy + balance losses")
 def build_learned_temperature(d_model: int, config: LearnedTemperatureConfig) -> LearnedTemperatureRouter:
     """Linear router; delta × sigmoid(r/τ), τ learned in [0.1, 5]; entropy + balance losses."""
     return LearnedTemperatureRouter(d_model, config)

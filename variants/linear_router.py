@@ -27,7 +27,7 @@ class LinearScorer(nn.Module):
 class AuxPredictor(nn.Module):
     """Small MLP predicting top-k membership from the *detached* hidden state.
 
-    Raposo et al. 2024 §3.5 (method 2) and seed 002: trained with BCE against the top-k
+    Raposo et al. 2024 §3.5 (method 2) and the "Mixture of Depth is Vibe" blog (joey00072/ohara): trained with BCE against the top-k
     targets; no gradient reaches the language model, so it cannot change what the LM
     learns, only how well decoding can imitate the non-causal top-k.
     """

@@ -1,10 +1,10 @@
 """``linear_softmax``: linear router, block delta weighted by a softmax over the selection.
 
-Source: seed 002 ("Mixture of Depth is Vibe"): r = w·x, top-k of r, and the processed
+Source: the blog "Mixture of Depth is Vibe" (code: joey00072/ohara): r = w·x, top-k of r, and the processed
 tokens' delta multiplied by softmax of their router logits over the k selected tokens, which
 puts the router in the gradient path. The softmax normalises across the sequence, so a
-token's weight depends on later tokens: the recipe is not causal (seed 002 says so and keeps
-it). Decoding therefore uses seed 002's auxiliary router — a small MLP on the detached hidden
+token's weight depends on later tokens: the recipe is not causal (the blog says so and keeps
+it). Decoding therefore uses the blog's auxiliary router — a small MLP on the detached hidden
 state trained with BCE against top-k membership (Raposo et al. 2024 §3.5) — as the causal
 rule: process when its logit > 0.
 
@@ -32,7 +32,7 @@ from .registry import register_variant
 
 @dataclass(frozen=True)
 class LinearSoftmaxConfig(VariantConfig):
-    aux_hidden: int = 0  # hidden width of the auxiliary predictor; 0 means d_model // 2 (seed 002)
+    aux_hidden: int = 0  # hidden width of the auxiliary predictor; 0 means d_model // 2 (as in the blog)
     aux_weight: float = 1.0  # its BCE loss only trains the predictor (input detached)
     calibration_momentum: float = 0.01  # EMA rate of the causal weight's normaliser
 
@@ -81,7 +81,7 @@ class LinearSoftmaxRouter(Router):
         return f + af, b + ab
 
 
-@register_variant("linear_softmax", config=LinearSoftmaxConfig, source="seed 002 (linear router, softmax weights, aux router)")
+@register_variant("linear_softmax", config=LinearSoftmaxConfig, source="'Mixture of Depth is Vibe' blog (joey00072/ohara): linear router, softmax weights, aux router")
 def build_linear_softmax(d_model: int, config: LinearSoftmaxConfig) -> LinearSoftmaxRouter:
     """Linear router; delta × softmax of the selected logits (non-causal); aux MLP predictor."""
     return LinearSoftmaxRouter(d_model, config)

@@ -1,10 +1,10 @@
 """``mlp_skip``: attention runs on every token; only the MLP is routed.
 
-Source: seed 003 (MoD v1 ``AdaptiveBlock``), which always applies attention and masks the
-MLP output per token. Seed 003 computes the MLP for *every* token and multiplies the skipped
+Source: an unpublished enwik8 MoD development report (2025; its v1 ``AdaptiveBlock``), which always applies attention and masks the
+MLP output per token. The report computes the MLP for *every* token and multiplies the skipped
 ones by zero, which saves no FLOPs at all. Here the MLP runs only on the gathered top-k
 tokens, so its saving is real and measured: attention keeps full cost, the MLP costs C of
-dense. Weighting is seed 003's sigmoid gate, p = sigmoid(r); causal rule: threshold at the
+dense. Weighting is the report's sigmoid gate, p = sigmoid(r); causal rule: threshold at the
 running k-th-largest logit.
 """
 
@@ -49,7 +49,7 @@ class MlpSkipRouter(Router):
         return LinearScorer.flops(d_model)
 
 
-@register_variant("mlp_skip", config=MlpSkipConfig, source="seed 003 (MoD v1 AdaptiveBlock), MLP really skipped")
+@register_variant("mlp_skip", config=MlpSkipConfig, source="an enwik8 MoD development report (2025, unpublished): v1 AdaptiveBlock, MLP really skipped")
 def build_mlp_skip(d_model: int, config: MlpSkipConfig) -> MlpSkipRouter:
     """Attention on all tokens; the MLP runs on the top-k only; delta × sigmoid(r)."""
     return MlpSkipRouter(d_model, config)

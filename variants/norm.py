@@ -1,6 +1,6 @@
 """``norm``: parameter-free routing by the L2 norm of the residual stream.
 
-Source: seed 000 (nanochat's MoD, ``Block.forward_mod``): score = ‖x‖₂ per token, top-k,
+Source: the MoD documentation of a nanochat fork (``Block.forward_mod``): score = ‖x‖₂ per token, top-k,
 sorted positions, no weighting of the block's output. With no weight the router gets no
 gradient; the selection is whatever the norms are. Causal rule: threshold at the running
 k-th-largest norm seen in training.
@@ -46,7 +46,7 @@ class NormRouter(Router):
         return 2.0 * d_model, 0.0  # square and sum; the norm carries no gradient to the LM
 
 
-@register_variant("norm", config=NormConfig, source="seed 000 (nanochat Block.forward_mod)")
+@register_variant("norm", config=NormConfig, source="nanochat MoD fork documentation (norm routing, Block.forward_mod)")
 def build_norm(d_model: int, config: NormConfig) -> NormRouter:
     """Parameter-free: score = L2 norm of the residual stream, top-k, unweighted."""
     return NormRouter(config)

@@ -1,6 +1,6 @@
 """``sigmoid``: linear router, block delta weighted by sigmoid(r).
 
-Source: seed 002's causal-friendly alternative to the softmax ("replace softmax with sigmoid
+Source: the "Mixture of Depth is Vibe" blog's (joey00072/ohara) causal-friendly alternative to the softmax ("replace softmax with sigmoid
 ... doesn't break causality") and the paper's router-weight path (Raposo et al. 2024 §3.3:
 the block output is multiplied by the router weight so the router is trained by the LM
 loss). The optional auxiliary BCE loss (§3.5, method 1) pushes r > 0 exactly for top-k
@@ -23,6 +23,9 @@ from .registry import register_variant
 @dataclass(frozen=True)
 class SigmoidConfig(VariantConfig):
     aux_weight: float = 0.01  # weight of BCE(r, top-k membership); 0 turns it off
+    # False: the delta is added unweighted. The router then gets no gradient from the LM loss
+    # (only the aux BCE towards its own top-k): selection without a trained gate, a control.
+    gate: bool = True
 
     def __post_init__(self) -> None:
         if self.aux_weight < 0:
@@ -39,8 +42,8 @@ class SigmoidRouter(Router):
     def score(self, x: Tensor) -> Tensor:
         return self.scorer(x)
 
-    def mix_weight(self, selected_scores: Tensor, scores: Tensor) -> Tensor:
-        return torch.sigmoid(selected_scores)
+    def mix_weight(self, selected_scores: Tensor, scores: Tensor) -> Tensor | None:
+        return torch.sigmoid(selected_scores) if self.config.gate else None
 
     def aux_losses(self, x: Tensor, scores: Tensor, index: Tensor) -> dict[str, Tensor]:
         if self.config.aux_weight == 0:
@@ -57,7 +60,7 @@ class SigmoidRouter(Router):
         return LinearScorer.flops(d_model)
 
 
-@register_variant("sigmoid", config=SigmoidConfig, source="seed 002 (sigmoid alternative); paper §3.3/§3.5")
+@register_variant("sigmoid", config=SigmoidConfig, source="Raposo et al. 2024 §3.3/§3.5; 'Mixture of Depth is Vibe' blog (joey00072/ohara)")
 def build_sigmoid(d_model: int, config: SigmoidConfig) -> SigmoidRouter:
     """Linear router; delta × sigmoid(r); optional aux BCE so r > 0 is the causal rule."""
     return SigmoidRouter(d_model, config)
