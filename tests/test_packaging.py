@@ -1,0 +1,58 @@
+"""What `pip install` puts on a user's machine: one `modbench` package, and floors that work."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def floors() -> dict[str, str]:
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    return {m[1].lower(): m[2] for d in deps if (m := re.match(r"([A-Za-z0-9_\-]+)(?:\[.*\])?>=([0-9.]+)", d))}
+
+
+def test_ci_checks_the_statistics_floors_that_pyproject_declares():
+    """.ci/min_versions.sh installs exactly pyproject's floors for the statistics path."""
+    script = (REPO / ".ci" / "min_versions.sh").read_text()
+    pinned = dict(re.findall(r'"([a-z]+)==([0-9.]+)\.\*"', script))
+    declared = floors()
+    for name in ("numpy", "scipy", "pandas", "zstandard", "tabulate"):
+        assert pinned[name] == declared[name], f"{name}: CI tests {pinned[name]}, pyproject says >={declared[name]}"
+
+
+def test_postgres_driver_is_an_extra_not_a_dependency():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert not any(d.startswith("psycopg") for d in project["dependencies"])
+    assert any(d.startswith("psycopg") for d in project["optional-dependencies"]["postgres"])
+
+
+@pytest.mark.slow
+def test_wheel_holds_only_modbench_and_its_studies(tmp_path):
+    """A non-editable install: the wheel has one top-level package and works from anywhere."""
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(tmp_path / "dist"), str(REPO)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-2000:]
+    wheel = next((tmp_path / "dist").glob("modbench-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"modbench", wheel.name.split("-py3")[0] + ".dist-info"}
+    assert "modbench/studies/quick.toml" in names and "modbench/variants/__init__.py" in names
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    code = ("import importlib.util as u, modbench.variants, modbench.cli.main; "
+            "assert u.find_spec('harness') is None and u.find_spec('variants') is None; "
+            "import modbench; print(modbench.__file__)")
+    # PYTHONPATH puts the unpacked wheel ahead of the development install's finder.
+    ran = subprocess.run([sys.executable, "-c", code], cwd=outside, capture_output=True, text=True,
+                         env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.strip().startswith(str(site))
