@@ -146,3 +146,46 @@ def test_ngram_orders_on_real_text():
     p = counts[counts > 0] / cut
     assert b.unigram == pytest.approx(float(-(p * np.log2(p)).sum()), abs=0.05)  # ≈ the train entropy
     assert 2.5 < b.trigram < 3.2 and b.trigram < b.zstd
+
+
+# --- isoFLOP profiles ------------------------------------------------------------------------
+def test_isoflop_profile_recovers_a_planted_optimum():
+    from modbench.report.isoflop import profiles
+
+    rng = np.random.default_rng(9)
+    rows = []
+    for family, u_star, floor in (("dense", 6.0, 3.0), ("sigmoid", 6.3, 2.9)):
+        for u in (5.4, 5.7, 6.0, 6.3, 6.6, 6.9):
+            for s in range(4):
+                rows.append(dict(family=family, budget=1e13, params=10**u, seed=s,
+                                 loss=floor + 0.5 * (u - u_star) ** 2 + rng.normal(0, 0.01)))
+    fits, diffs = profiles(pd.DataFrame(rows))
+    by = fits.set_index("family")
+    assert by.loc["dense", "inside"] and by.loc["sigmoid", "inside"]
+    assert by.loc["dense", "opt_low"] < 10**6.0 < by.loc["dense", "opt_high"]
+    assert np.log10(by.loc["sigmoid", "opt_params"]) == pytest.approx(6.3, abs=0.05)
+    d = diffs.iloc[0]
+    assert d.family == "sigmoid" and d.estimate == pytest.approx(-0.1, abs=0.01) and d.ci_high < 0
+
+
+def test_isoflop_profile_flags_an_optimum_at_the_edge_of_the_sweep():
+    from modbench.report.isoflop import fit_profile
+
+    rows = [dict(family="dense", budget=1e12, params=10**u, seed=s, loss=3.0 - 0.2 * u + 0.001 * s)
+            for u in (5.0, 5.5, 6.0) for s in range(3)]
+    fit, _ = fit_profile(pd.DataFrame(rows), "dense", 1e12)
+    assert not fit.inside and np.isnan(fit.opt_params)
+    with pytest.raises(ModbenchError, match="at least 3"):
+        fit_profile(pd.DataFrame(rows[:6]), "dense", 1e12)
+
+
+def test_figures_write_png_and_pdf(tmp_path):
+    from modbench.report.figures import forest_plot, small_multiples
+
+    effects = pd.DataFrame([dict(arm="sigmoid", reference="dense", estimate=-0.05, ci_low=-0.08, ci_high=-0.02),
+                            dict(arm="norm", reference="random", estimate=0.01, ci_low=None, ci_high=None)])
+    png = forest_plot(effects, tmp_path / "forest.png")
+    assert png.stat().st_size > 1000 and png.with_suffix(".pdf").stat().st_size > 1000
+    curves = pd.DataFrame([dict(variant=v, capacity=c, step=s, flops=1e9 * (s + 1), val_bpb=3 - 0.1 * s)
+                           for v, c in (("dense", 1.0), ("sigmoid", 0.125), ("sigmoid", 0.5)) for s in range(4)])
+    assert small_multiples(curves, tmp_path / "curves.png").with_suffix(".pdf").exists()
