@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from modbench import variants
 from modbench.config.model import ModelConfig, RoutingConfig
-from modbench.model.flops import attention_flops, model_flops
+from modbench.model.flops import attention_flops
 from modbench.model.gpt import GPT
 
 CFG = ModelConfig(depth=2, n_embd=64, head_dim=16, max_seq_len=128)
@@ -35,7 +35,7 @@ def test_analytic_flops_match_flop_counter(name, capacity, pattern):
     torch.manual_seed(0)
     m = GPT(CFG, RoutingConfig(name, capacity=capacity, pattern=pattern))
     T = 96
-    report = model_flops(m, T, causal=False)
+    report = m.flop_report(T, causal=False)
     fwd = counted(m, T, backward=False)
     assert report.forward == pytest.approx(fwd, rel=0.01)
     total = counted(m, T, backward=True)
@@ -44,7 +44,7 @@ def test_analytic_flops_match_flop_counter(name, capacity, pattern):
 
 def test_routed_layer_attention_is_counted_at_k_squared():
     m = GPT(CFG, RoutingConfig("norm", capacity=0.25, pattern="all"))
-    r = model_flops(m, 128, causal=True)
+    r = m.flop_report(128, causal=True)
     assert r.tokens_processed == [32, 32]
     assert r.breakdown["attn_scores"] == 2 * attention_flops(64, 32, causal=True)
     # causal pairs by hand: k(k+1)/2 = 528, 4·d FLOPs each
@@ -55,8 +55,8 @@ def test_routed_block_flop_ratio_matches_hand_count():
     """One layer, d=256, T=1024, C=0.125: the paper-style saving, counted by hand."""
     cfg = ModelConfig(depth=1, n_embd=256, head_dim=64, max_seq_len=1024)
     d, T, k = 256, 1024, 128
-    dense = model_flops(GPT(cfg), T)
-    routed = model_flops(GPT(cfg, RoutingConfig("norm", capacity=0.125, pattern="all")), T)
+    dense = GPT(cfg).flop_report(T)
+    routed = GPT(cfg, RoutingConfig("norm", capacity=0.125, pattern="all")).flop_report(T)
     head = 2 * d * 256 * T
     dense_block = 24 * d * d * T + 2 * d * T * (T + 1)
     routed_block = 24 * d * d * k + 2 * d * k * (k + 1)
@@ -72,3 +72,19 @@ def test_flop_budget_favours_mod_models():
     assert mod.flops_per_token(128) < 0.8 * dense.flops_per_token(128)
     mlp = GPT(CFG, RoutingConfig("mlp_skip", capacity=0.125, pattern="alternate"))
     assert mod.flops_per_token(128) < mlp.flops_per_token(128) < dense.flops_per_token(128)
+
+
+def test_model_flops_are_the_sum_of_its_layers_methods():
+    """One counter: GPT.flop_report adds each layer's own ``flops`` and the head's."""
+    from modbench.model.flops import head_flops
+
+    cfg = ModelConfig(depth=4, max_seq_len=64)
+    for routing in (None, RoutingConfig("sigmoid", capacity=0.25, pattern="alternate"),
+                    RoutingConfig("mlp_skip", capacity=0.5, pattern="all")):
+        m = GPT(cfg, routing)
+        layers = [layer.flops(64) for layer in m.layers]
+        head = head_flops(cfg.width, cfg.vocab_size, 64)
+        report = m.flop_report(64)
+        assert report.forward == sum(l.forward for l in layers) + head.forward
+        assert report.backward == sum(l.backward for l in layers) + head.backward
+        assert report.tokens_processed == [l.tokens_processed for l in layers]

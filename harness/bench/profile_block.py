@@ -12,7 +12,7 @@ The same helpers build and count the blocks of the speed benchmarks (``tests/ben
 
 - ``bench_config``: the benchmark model shape (ModelConfig(depth=4, n_embd=256, head_dim=64)).
 - ``build_block``: a routed block (or the dense reference) with seeded, shared weights.
-- ``block_flops``: analytic forward + backward FLOPs of one block (see its docstring).
+- FLOPs: each layer's own ``flops(seq_len)`` (``modbench.model.gpt``), the model's counter.
 - ``fwd_bwd``: the closure the benchmarks time.
 """
 
@@ -22,7 +22,6 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +30,6 @@ from modbench import variants
 
 from modbench.config.capacity import CapacitySchedule
 from modbench.config.model import ModelConfig
-from modbench.model.flops import attention_flops, projection_flops
 from modbench.model.gpt import DenseLayer, RoutedBlock, rope_tables
 
 BENCH_WIDTH = 256
@@ -62,61 +60,6 @@ def build_block(variant: str, capacity: float, cfg: ModelConfig, seed: int = 0) 
     routed = RoutedBlock(cfg, router, CapacitySchedule(capacity, max_seq_len=cfg.max_seq_len))
     routed.block.load_state_dict(dense.block.state_dict())
     return routed.train()
-
-
-@dataclass(frozen=True)
-class BlockFlops:
-    forward: float  # per sequence
-    backward: float  # per sequence
-    tokens_processed: int  # k (T for a dense layer)
-
-    @property
-    def total(self) -> float:
-        return self.forward + self.backward
-
-
-def block_flops(layer: nn.Module, seq_len: int, *, causal: bool = True) -> BlockFlops:
-    """Analytic FLOPs of forward + backward of one layer over one sequence of ``seq_len``.
-
-    The conventions of ``modbench.model.flops`` (and exactly ``model_flops`` of a one-layer GPT
-    minus its head and embedding; tests/bench/test_flops_helper.py checks that):
-
-    - projections (qkv, out, MLP fc and proj) at the tokens that pass through them:
-      k for a routed block, attention at T and the MLP at k for ``mlp_skip`` (scope "mlp"),
-      T for a dense layer;
-    - attention scores and A·V over those tokens, causal pairs L(L+1)/2 by default;
-    - the router on all T tokens with its own (forward, backward) per-token count;
-    - backward = 2 × forward for every matmul, plus the router's own backward.
-
-    Norms, RoPE, softmax, GELU, top-k, sort, gather and scatter count as zero (memory-bound):
-    they are exactly what the measured time ratio exposes beyond the FLOP ratio.
-    """
-    cfg_width = _width(layer)
-    mlp_ratio = _mlp_ratio(layer)
-    T = seq_len
-    router_fwd = router_bwd = 0.0
-    if isinstance(layer, RoutedBlock):
-        k = layer.capacity.k(T)
-        rf, rb = layer.router.flops_per_token(cfg_width)
-        router_fwd, router_bwd = rf * T, rb * T
-        attn_tokens = T if layer.router.scope == "mlp" else k
-        mlp_tokens = k
-    elif isinstance(layer, DenseLayer):
-        k = attn_tokens = mlp_tokens = T
-    else:
-        raise TypeError(f"expected a RoutedBlock or a DenseLayer, got {type(layer).__name__}")
-    proj_attn, _ = projection_flops(cfg_width, mlp_ratio, attn_tokens)
-    _, proj_mlp = projection_flops(cfg_width, mlp_ratio, mlp_tokens)
-    matmuls = proj_attn + proj_mlp + attention_flops(cfg_width, attn_tokens, causal)
-    return BlockFlops(matmuls + router_fwd, 2.0 * matmuls + router_bwd, k)
-
-
-def _width(layer: nn.Module) -> int:
-    return layer.block.attn.qkv.in_features
-
-
-def _mlp_ratio(layer: nn.Module) -> int:
-    return layer.block.mlp.fc.out_features // layer.block.mlp.fc.in_features
 
 
 def fwd_bwd(
@@ -214,7 +157,7 @@ def profile_block(
     layer = build_block(variant, capacity, cfg)
     x, grad, cos, sin = block_inputs(cfg, batch, seq_len)
     step = fwd_bwd(layer, x, grad, cos, sin)
-    fl = block_flops(layer, seq_len)
+    fl = layer.flops(seq_len)
 
     print(
         f"{variant} C={capacity} T={seq_len} B={batch} d={cfg.width} heads={cfg.heads} "
@@ -224,7 +167,7 @@ def profile_block(
     summary: dict[str, float] = {}
     if compare_dense and variant != "dense":
         dense = build_block("dense", 1.0, cfg)
-        dfl = block_flops(dense, seq_len)
+        dfl = dense.flops(seq_len)
         routed_t, dense_t = time_interleaved([step, fwd_bwd(dense, x, grad, cos, sin)], rounds)
         t_routed, t_dense = min(routed_t), min(dense_t)
         ratio, flop_ratio = t_routed / t_dense, fl.total / dfl.total

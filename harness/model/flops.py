@@ -21,11 +21,8 @@ Conventions (the same for every variant, so ratios are comparable):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from modbench.model.gpt import GPT
 
 
 def projection_flops(d: int, mlp_ratio: int, tokens: int) -> tuple[float, float]:
@@ -39,13 +36,52 @@ def attention_flops(d: int, length: int, causal: bool) -> float:
     return 4.0 * d * pairs
 
 
+@dataclass(frozen=True)
+class LayerFlops:
+    """One layer's analytic FLOPs over one sequence: forward by part, and backward."""
+
+    parts: dict[str, float]  # forward, by part: attn_proj, attn_scores, mlp, router, head
+    backward: float
+    tokens_processed: int
+
+    @property
+    def forward(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+
+def block_flops(d: int, mlp_ratio: int, *, attn_tokens: int, mlp_tokens: int, causal: bool,
+                router: tuple[float, float] = (0.0, 0.0), seq_len: int | None = None) -> LayerFlops:
+    """A pre-norm block whose attention sees ``attn_tokens`` and whose MLP sees ``mlp_tokens``.
+
+    ``router`` is the (forward, backward) FLOPs per token of a router that scores all
+    ``seq_len`` tokens. Backward is 2× forward for the matmuls plus the router's own backward.
+    """
+    proj_attn, _ = projection_flops(d, mlp_ratio, attn_tokens)
+    _, proj_mlp = projection_flops(d, mlp_ratio, mlp_tokens)
+    T = seq_len if seq_len is not None else attn_tokens
+    parts = {"attn_proj": proj_attn, "attn_scores": attention_flops(d, attn_tokens, causal), "mlp": proj_mlp,
+             "router": router[0] * T}
+    matmuls = parts["attn_proj"] + parts["attn_scores"] + parts["mlp"]
+    return LayerFlops(parts, 2.0 * matmuls + router[1] * T, min(attn_tokens, mlp_tokens))
+
+
+def head_flops(d: int, vocab_size: int, seq_len: int) -> LayerFlops:
+    """The output projection to the vocabulary."""
+    fwd = 2.0 * d * vocab_size * seq_len
+    return LayerFlops({"head": fwd}, 2.0 * fwd, seq_len)
+
+
 @dataclass
 class FlopReport:
     seq_len: int
     forward: float  # per sequence
     backward: float  # per sequence
     breakdown: dict[str, float] = field(default_factory=dict)  # forward, per sequence
-    tokens_processed: list[int] = field(default_factory=list)  # per layer
+    tokens_processed: list[int] = field(default_factory=list)  # per transformer layer
 
     @property
     def total(self) -> float:
@@ -55,32 +91,14 @@ class FlopReport:
     def per_token(self) -> float:
         return self.total / self.seq_len
 
-
-def model_flops(model: "GPT", seq_len: int, *, causal: bool = True, backward: bool = True) -> FlopReport:
-    from modbench.model.gpt import RoutedBlock  # local import: model imports this module
-
-    cfg = model.cfg
-    d, T = cfg.width, seq_len
-    parts = {"attn_proj": 0.0, "attn_scores": 0.0, "mlp": 0.0, "router": 0.0, "head": 0.0}
-    router_bwd = 0.0
-    processed: list[int] = []
-    for layer in model.layers:
-        if isinstance(layer, RoutedBlock):
-            k = layer.capacity.k(T)
-            rf, rb = layer.router.flops_per_token(d)
-            parts["router"] += rf * T
-            router_bwd += rb * T
-            attn_tokens = T if layer.router.scope == "mlp" else k
-            mlp_tokens = k
-        else:
-            k = attn_tokens = mlp_tokens = T
-        processed.append(k)
-        proj_attn, _ = projection_flops(d, cfg.mlp_ratio, attn_tokens)
-        _, proj_mlp = projection_flops(d, cfg.mlp_ratio, mlp_tokens)
-        parts["attn_proj"] += proj_attn
-        parts["mlp"] += proj_mlp
-        parts["attn_scores"] += attention_flops(d, attn_tokens, causal)
-    parts["head"] = 2.0 * d * cfg.vocab_size * T
-    fwd = sum(parts.values())
-    bwd = 2.0 * (fwd - parts["router"]) + router_bwd if backward else 0.0
-    return FlopReport(T, fwd, bwd, parts, processed)
+    @classmethod
+    def from_layers(cls, seq_len: int, layers: Iterable[LayerFlops], head: LayerFlops, *,
+                    backward: bool = True) -> "FlopReport":
+        """The sum over the transformer layers and the head (what ``GPT.flop_report`` returns)."""
+        layers = list(layers)
+        parts = {"attn_proj": 0.0, "attn_scores": 0.0, "mlp": 0.0, "router": 0.0, "head": 0.0}
+        for layer in [*layers, head]:
+            for name, value in layer.parts.items():
+                parts[name] += value
+        bwd = sum(layer.backward for layer in [*layers, head]) if backward else 0.0
+        return cls(seq_len, sum(parts.values()), bwd, parts, [layer.tokens_processed for layer in layers])

@@ -104,6 +104,7 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.cfg = cfg
         self.norm1 = nn.RMSNorm(cfg.width)
         self.attn = Attention(cfg.width, cfg.heads)
         self.norm2 = nn.RMSNorm(cfg.width)
@@ -175,6 +176,15 @@ class RoutedBlock(nn.Module):
         stats = dict(r.stats, layer_index=r.index) if self.router.collect_stats else r.stats
         return LayerOutput(out, r.aux_losses, stats)
 
+    def flops(self, seq_len: int, *, causal: bool = True) -> flop_math.LayerFlops:
+        """Analytic FLOPs over one sequence: the block at k tokens (the MLP alone at k for
+        scope "mlp"), plus the router on all ``seq_len`` tokens."""
+        k = self.capacity.k(seq_len)
+        attn_tokens = seq_len if self.router.scope == "mlp" else k
+        cfg = self.block.cfg
+        return flop_math.block_flops(cfg.width, cfg.mlp_ratio, attn_tokens=attn_tokens, mlp_tokens=k, causal=causal,
+                                     router=self.router.flops_per_token(cfg.width), seq_len=seq_len)
+
     def forward_causal(self, x: Tensor, cos: Tensor, sin: Tensor) -> LayerOutput:
         """Route each token by ``decide_causal`` (its own state), in one masked pass.
 
@@ -211,6 +221,10 @@ class DenseLayer(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> LayerOutput:
         T = x.shape[1]
         return LayerOutput(self.block(x, cos[:T], sin[:T]))
+
+    def flops(self, seq_len: int, *, causal: bool = True) -> flop_math.LayerFlops:
+        cfg = self.block.cfg
+        return flop_math.block_flops(cfg.width, cfg.mlp_ratio, attn_tokens=seq_len, mlp_tokens=seq_len, causal=causal)
 
 
 @dataclass
@@ -311,9 +325,15 @@ class GPT(nn.Module):
         return total
 
     # --- FLOPs ---------------------------------------------------------------------------
+    def flop_report(self, seq_len: int, *, causal: bool = True, backward: bool = True) -> flop_math.FlopReport:
+        """Analytic FLOPs of one sequence: the sum of every layer's ``flops`` and the head's."""
+        layers = (layer.flops(seq_len, causal=causal) for layer in self.layers)
+        head = flop_math.head_flops(self.cfg.width, self.cfg.vocab_size, seq_len)
+        return flop_math.FlopReport.from_layers(seq_len, layers, head, backward=backward)
+
     def flops_per_token(self, seq_len: int, *, causal: bool = True, backward: bool = True) -> float:
         """Analytic training (or forward-only) FLOPs per token; see ``modbench.model.flops``."""
-        return flop_math.model_flops(self, seq_len, causal=causal, backward=backward).per_token
+        return self.flop_report(seq_len, causal=causal, backward=backward).per_token
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

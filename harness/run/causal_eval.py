@@ -24,7 +24,7 @@ from torch import Tensor
 
 from modbench.variants import RunningMean
 
-from modbench.run.evaluate import windowed_forward
+from modbench.run.windows import windowed_forward
 from modbench.model.gpt import GPT, RoutedBlock
 
 

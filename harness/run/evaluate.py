@@ -17,13 +17,13 @@ realised causal fraction and the top-k leak rate (``modbench.run.causal_eval.cau
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import nullcontext
 
 import torch
 from torch import Tensor
 
 from modbench.model.gpt import GPT
+from modbench.run.causal_eval import causal_metrics
+from modbench.run.windows import windowed_forward
 
 
 @torch.no_grad()
@@ -42,8 +42,6 @@ def evaluate(
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         result = _evaluate(model, x, y, batch_size, device, autocast, hard_labels)
         if modes:
-            from modbench.run.causal_eval import causal_metrics
-
             result.update(causal_metrics(model, x, y, batch_size=batch_size, device=device, autocast=autocast))
             result["causal_gap"] = result["causal_bpb"] - result["bpb"]
             result["dense_gap"] = result["dense_bpb"] - result["bpb"]
@@ -85,13 +83,3 @@ def _evaluate(model, x, y, batch_size, device, autocast, hard_labels) -> dict[st
             result[f"hard_precision_L{layer}"] = precision[layer].item()
             result[f"hard_recall_L{layer}"] = recall[layer].item()
     return result
-
-
-def windowed_forward(model: GPT, x: Tensor, y: Tensor, batch_size: int, device: torch.device,
-                     autocast: torch.autocast | None = None, **forward_kwargs) -> Iterator[tuple[Tensor, int, object]]:
-    """(inputs, first window index, model output) for each batch of fixed eval windows."""
-    for i in range(0, x.shape[0], batch_size):
-        xb, yb = x[i : i + batch_size].to(device), y[i : i + batch_size].to(device)
-        with autocast or nullcontext():
-            out = model(xb, yb, **forward_kwargs)
-        yield xb, i, out

@@ -11,7 +11,7 @@ At C = 1.0 this times a ``RoutedBlock`` with k = T — the cost of the routing m
 when it saves nothing (GPT itself builds plain blocks at C = 1.0; see test_model_speed).
 
 ``extra_info``: variant, capacity, seq_len, batch, k, router_scope, analytic_flops (forward
-+ backward of the batch, causal convention, ``modbench.bench.profile_block.block_flops``),
++ backward of the batch, causal convention, each layer's ``flops``),
 dense_flops, flop_ratio, tokens, tokens_processed, device, dtype, compiled.
 ``python -m modbench.bench.table`` turns the JSON into time ratio vs FLOP ratio.
 """
@@ -23,7 +23,7 @@ import torch
 
 from modbench import variants
 from modbench.model.gpt import DenseLayer, RoutedBlock
-from modbench.bench.profile_block import bench_config, block_flops, block_inputs, build_block, fwd_bwd
+from modbench.bench.profile_block import bench_config, block_inputs, build_block, fwd_bwd
 
 ROUTED = [v for v in variants.list_variants() if variants.build_router(v, 8).scope != "none"]
 BATCH = {512: 8, 1024: 8, 2048: 4}
@@ -59,7 +59,7 @@ def test_block_fwd_bwd(variant, capacity, seq_len, repeat, device, run_bench):
     x, grad, cos, sin = block_inputs(cfg, B, T, device)
     with torch.device("meta"):
         dense_ref = DenseLayer(cfg)  # FLOPs only: no memory, no init cost
-    fl, dense_fl = block_flops(layer, T), block_flops(dense_ref, T)
+    fl, dense_fl = layer.flops(T), dense_ref.flops(T)
     k = fl.tokens_processed
     router_scope = layer.router.scope if isinstance(layer, RoutedBlock) else "none"
 

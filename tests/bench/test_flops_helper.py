@@ -1,4 +1,4 @@
-"""The benchmarks' block FLOP count is ``model_flops`` of a one-layer GPT minus its head."""
+"""A layer's own ``flops`` (what the benchmarks use) is a one-layer GPT's ``flop_report`` minus its head."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 
 from modbench import variants
 from modbench.config.model import ModelConfig, RoutingConfig
-from modbench.model.flops import attention_flops, model_flops
+from modbench.model.flops import attention_flops
 from modbench.model.gpt import GPT
-from modbench.bench.profile_block import bench_config, block_flops, build_block
+from modbench.bench.profile_block import bench_config, build_block
 
 ROUTED = [v for v in variants.list_variants() if variants.build_router(v, 8).scope != "none"]
 
@@ -18,7 +18,7 @@ def _one_layer_gpt_minus_head(variant: str, capacity: float, T: int, causal: boo
     cfg = ModelConfig(depth=1, n_embd=256, head_dim=64, max_seq_len=2048)
     with torch.device("meta"):
         m = GPT(cfg, RoutingConfig(variant, capacity=capacity, pattern="all"))
-    r = model_flops(m, T, causal=causal)
+    r = m.flop_report(T, causal=causal)
     return r.total - 3 * r.breakdown["head"]  # the head's matmul: forward + 2× backward
 
 
@@ -29,7 +29,7 @@ def test_block_flops_equal_one_layer_model_flops_minus_head(variant, capacity, c
     T = 1024
     with torch.device("meta"):
         layer = build_block(variant, capacity, bench_config())
-    assert block_flops(layer, T, causal=causal).total == pytest.approx(
+    assert layer.flops(T, causal=causal).total == pytest.approx(
         _one_layer_gpt_minus_head(variant, capacity, T, causal), rel=1e-12
     )
 
@@ -43,7 +43,7 @@ def test_bar_point_flop_ratio_by_hand():
         dense = build_block("dense", 1.0, bench_config())
     dense_fwd = 24 * d * d * T + attention_flops(d, T, causal=True)
     routed_fwd = 24 * d * d * k + attention_flops(d, k, causal=True)
-    assert block_flops(dense, T).total == 3 * dense_fwd
-    assert block_flops(routed, T).total == 3 * routed_fwd + 6 * d * T
-    ratio = block_flops(routed, T).total / block_flops(dense, T).total
+    assert dense.flops(T).total == 3 * dense_fwd
+    assert routed.flops(T).total == 3 * routed_fwd + 6 * d * T
+    ratio = routed.flops(T).total / dense.flops(T).total
     assert ratio == pytest.approx(0.0979, abs=5e-4)  # the issue's "FLOP limit about 0.10"

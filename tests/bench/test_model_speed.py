@@ -6,7 +6,7 @@ batches (B = 4 at T = 512, B = 1 at T = 2048: 2 048 tokens a step) so the CI run
 At C = 1.0 GPT builds plain blocks (no router), so those entries time the dense model again:
 their ratio to the dense entry is the measurement noise of the run.
 
-``analytic_flops`` is ``modbench.model.flops.model_flops(model, T).total × B`` (causal, forward +
+``analytic_flops`` is ``model.flop_report(T).total × B`` (causal, forward +
 backward, head included; the optimizer's O(parameters) update is not counted), and
 ``dense_flops`` the same for the dense GPT of the same shape. The bar (reported by
 ``modbench.bench.table``, not asserted): alternate, C = 0.125 reaches ≥ 85 % of the
@@ -20,7 +20,6 @@ import torch
 
 from modbench import variants
 from modbench.config.model import RoutingConfig
-from modbench.model.flops import model_flops
 from modbench.model.gpt import GPT
 from modbench.config.patterns import pattern_string
 from modbench.bench.profile_block import bench_config
@@ -85,7 +84,7 @@ def test_model_train_step(variant, capacity, seq_len, repeat, device, run_bench)
     model = _model(cfg, RoutingConfig(variant, capacity=capacity, pattern=PATTERN), device)
     with torch.device("meta"):
         dense_ref = GPT(cfg)  # FLOPs only
-    flops, dense_flops = model_flops(model, T), model_flops(dense_ref, T)
+    flops, dense_flops = model.flop_report(T), dense_ref.flop_report(T)
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(device)
     targets = torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(device)
