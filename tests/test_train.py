@@ -203,3 +203,21 @@ def test_checksum_mismatch_is_refused_before_anything_is_written(tmp_cwd, monkey
     err = capsys.readouterr().err
     assert rc == 2 and "corrupt" in err
     assert not (tmp_cwd / "mlflow.db").exists() and not (tmp_cwd / "runs").exists()
+
+
+def test_a_per_step_metric_is_one_registered_function(tmp_cwd, monkeypatch):
+    """Adding a per-step metric: one function decorated with ``step_metric``; it is logged
+    every log_every steps beside the built-in ones, with the logging window it is given."""
+    from modbench.run import train as train_module
+
+    monkeypatch.setattr(train_module, "STEP_METRICS", list(train_module.STEP_METRICS))
+
+    @train_module.step_metric
+    def steps_in_window(run, window):
+        return {"test/window_steps": float(window.steps), "test/step": float(run.step)}
+
+    result = train(tiny("sigmoid", budget="steps=6", eval_every=100, log_every=3), progress=False)
+    logged = [h for h in result.history if "test/window_steps" in h]
+    assert [(h["step"], h["test/window_steps"], h["test/step"]) for h in logged] == [(3, 3.0, 3.0), (6, 3.0, 6.0)]
+    assert all("train/loss" in h and "train/bpb" in h for h in logged)
+    assert all(h["train/bpb"] == pytest.approx(h["train/loss"] / math.log(2)) for h in logged)

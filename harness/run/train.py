@@ -141,213 +141,330 @@ def train(
         return _train(cfg, device, tracker=tracker, resume=resume, progress=progress, on_eval=on_eval)
 
 
+@dataclass
+class _Window:
+    """What the steps since the last log line leave for the per-step metrics."""
+
+    steps: int
+    seconds: float
+    loss: float
+    aux: dict[str, float]
+    grad_norm: float
+    route_stats: list[dict[str, torch.Tensor]]
+
+
+@dataclass
+class _Run:
+    """The state every phase of one run shares (built by ``_setup``)."""
+
+    cfg: RunConfig
+    device: torch.device
+    main: bool
+    corpus: Corpus
+    model: GPT
+    step_model: torch.nn.Module  # DDP-wrapped under torchrun, else the model
+    fwd_model: Callable  # compiled when train.compile
+    optimizer: torch.optim.Optimizer
+    base_lrs: list[float]
+    autocast: torch.autocast | None
+    tokens_per_step: int
+    flops_per_token: float
+    budget: Budget
+    total_steps: int | None
+    data_gen: torch.Generator
+    val: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+    routed_ids: list[int]
+    run_dir: Path
+    ckpt_path: Path
+    tracker: Any = None
+    step: int = 0
+    start_step: int = 0
+    elapsed_before: float = 0.0
+    history: list[dict[str, float]] = field(default_factory=list)
+    run_id: str | None = None
+    run_start: float = 0.0
+    train_seconds: float = 0.0  # wall time in training steps, excluding evaluation
+    window_steps: int = 0
+    window_start: float = 0.0
+    lm_acc: torch.Tensor | None = None
+    aux_acc: dict[str, torch.Tensor] = field(default_factory=dict)
+    route_stats: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    grad_norm: torch.Tensor | None = None
+
+
+# --- per-step metrics: one function each, registered in order -------------------------------
+StepMetric = Callable[[_Run, _Window], dict[str, float]]
+STEP_METRICS: list[StepMetric] = []
+
+
+def step_metric(fn: StepMetric) -> StepMetric:
+    """Register a per-step metric: ``fn(run, window) -> {name: value}``, logged every log_every."""
+    STEP_METRICS.append(fn)
+    return fn
+
+
+@step_metric
+def _loss_metrics(run: _Run, w: _Window) -> dict[str, float]:
+    return {"train/loss": w.loss, "train/bpb": w.loss / math.log(2), "train/lr": run.optimizer.param_groups[0]["lr"],
+            "train/grad_norm": w.grad_norm, **{f"train/aux/{k}": v for k, v in w.aux.items()}}
+
+
+@step_metric
+def _perf_metrics(run: _Run, w: _Window) -> dict[str, float]:
+    tok_s = w.steps * run.tokens_per_step / max(w.seconds, 1e-9)
+    metrics = {
+        "perf/tokens_per_s": tok_s,
+        "perf/step_time_s": w.seconds / w.steps,
+        "perf/flops_per_token": run.flops_per_token,
+        "perf/cum_flops": run.step * run.tokens_per_step * run.flops_per_token,
+        "perf/cum_tokens": run.step * run.tokens_per_step,
+        "perf/peak_mem_mb": peak_memory_mb(run.device),
+    }
+    peak = peak_flops(run.device)
+    if peak:
+        metrics["perf/mfu"] = run.flops_per_token * tok_s / peak
+    return metrics
+
+
+@step_metric
+def _route_metrics(run: _Run, w: _Window) -> dict[str, float]:
+    return {f"route/L{layer_id}/{key}": s[key].item()
+            for layer_id, s in zip(run.routed_ids, w.route_stats)
+            for key in ("fraction", "mean_position", "score_entropy")}
+
+
+# --- the phases -----------------------------------------------------------------------------
 def _train(cfg: RunConfig, device: torch.device, *, tracker: Any, resume: bool, progress: bool,
            on_eval: Callable[[int, dict[str, float]], None] | None) -> TrainResult:
+    run = _setup(cfg, device)
+    if resume:
+        _restore(run)
+    run.tracker, owns_tracker = _open_tracker(run, tracker)
+    with run.tracker if owns_tracker else nullcontext(run.tracker):
+        if run.start_step == 0:
+            _log_start(run)
+        bar = _progress(progress and run.main, run.total_steps, run.start_step, run.run_dir.name)
+        run.window_start = time.perf_counter()
+        run.run_start = time.perf_counter() - run.elapsed_before
+        while (frac := _progress_fraction(run)) is not None:
+            log_now = _train_step(run, frac)
+            if log_now:
+                bar.set_postfix(**_log_step(run))
+            _checkpoint_phase(run)
+            _evaluate_phase(run, on_eval)
+            bar.update(1)
+        bar.close()
+        if not run.main:
+            return distributed.broadcast_object(None)  # rank 0's result, once it has finished
+        result = _finish(run)
+    return distributed.broadcast_object(result)
+
+
+def _setup(cfg: RunConfig, device: torch.device) -> _Run:
+    """Seed, data, model, optimizer, budget: everything before the first step."""
     t = cfg.train
-    main = distributed.is_main()
     torch.manual_seed(t.seed)
     corpus = load_corpus(t.dataset, seed=t.seed)
     model = GPT(cfg.model, cfg.routing).to(device)
     step_model = distributed.wrap_model(model, device)  # `model` stays the plain GPT: its methods, eval, saving
-    fwd_model = torch.compile(step_model) if t.compile else step_model
     optimizer = build_optimizer(model, cfg)
-    base_lrs = [g["lr"] for g in optimizer.param_groups]
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-
     tokens_per_step = t.batch_size * t.seq_len * t.grad_accum
     flops_per_token = model.flops_per_token(t.seq_len)
     budget = Budget.parse(t.budget)
-    total_steps = budget.steps(tokens_per_step, flops_per_token * tokens_per_step)
-    data_gen = torch.Generator().manual_seed(t.seed)
-    val_x, val_y, val_hard = _eval_set(corpus, "val", t)
-    routed_ids = [i for i, layer in enumerate(model.layers) if isinstance(layer, RoutedBlock)]
-
     run_dir = Path(t.out_dir) / default_run_name(cfg)
-    ckpt_path = run_dir / "checkpoint.pt"
-    start_step, elapsed_before, history, run_id = 0, 0.0, [], None
-    if resume:
-        state = load_checkpoint(ckpt_path)
-        if state["config"] != cfg.to_toml_dict():
-            raise ModbenchError(f"checkpoint {ckpt_path} was written by a different config: resume with the same flags")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        data_gen.set_state(state["data_rng"])
-        torch.set_rng_state(state["torch_rng"])
-        start_step, elapsed_before, history, run_id = state["step"], state["elapsed"], state["history"], state["run_id"]
-        if start_step >= (total_steps or math.inf):
-            raise ModbenchError(f"run {run_dir.name} already finished its {total_steps} steps: nothing to resume")
-
-    if not main:
-        from modbench.track.tracking import NullTracker
-
-        tracker = NullTracker()  # one MLflow run per trial, written by rank 0
-    owns_tracker = tracker is None  # a caller's tracker is started and ended by the caller
-    if owns_tracker:
-        from modbench.track.tracking import NullTracker, Tracker
-
-        tracker = (
-            Tracker(t.experiment, run_name=run_dir.name, run_id=run_id) if t.track else NullTracker()
-        )
-    resolved = {
-        "budget.resolved_steps": total_steps if total_steps is not None else "time",
-        "budget.tokens_per_step": tokens_per_step,
-        "budget.flops_per_token": flops_per_token,
-        "budget.total_flops": (total_steps or 0) * tokens_per_step * flops_per_token,
-        "model.params": model.num_params(),
-        "routing.resolved_pattern": pattern_string(model.routed_flags),
-    }
-
-    with tracker if owns_tracker else nullcontext(tracker):
-        if start_step == 0:
-            tracker.log_params({**cfg.to_dict(), **resolved})
-            tracker.set_tags({"dataset_sha256": corpus.sha256, "device": _device_name(device), "dataset": t.dataset})
-            tracker.log_dict(cfg.to_toml_dict(), "config.json")
-
-        bar = _progress(progress and main, total_steps, start_step, run_dir.name)
-        step = start_step
-        t_train = 0.0  # wall time in training steps, excluding evaluation
-        window_steps, window_start = 0, time.perf_counter()
-        lm_acc = torch.zeros((), device=device)
-        aux_acc: dict[str, torch.Tensor] = {}
-        run_start = time.perf_counter() - elapsed_before
-
-        while True:
-            # A time budget must stop every rank at the same step and give each the same LR.
-            elapsed = distributed.broadcast_float(time.perf_counter() - run_start) if total_steps is None \
-                else time.perf_counter() - run_start
-            if total_steps is not None and step >= total_steps:
-                break
-            if total_steps is None and elapsed >= budget.amount:
-                break
-            frac = step / total_steps if total_steps else elapsed / budget.amount
-            for g, base in zip(optimizer.param_groups, base_lrs):
-                g["lr"] = lr_at(frac, base, cfg)
-            log_now = (step + 1) % t.log_every == 0 or (total_steps is not None and step + 1 == total_steps)
-            step_start = time.perf_counter()
-            stats: list[dict[str, torch.Tensor]] = []
-            for micro in range(t.grad_accum):
-                # Every rank draws the whole global batch (same generator, same state) and keeps
-                # its own slice, so the data order is the single-process one at any world size.
-                x, y = get_batch(corpus.train, t.batch_size, t.seq_len, data_gen)
-                x, y = distributed.local_slice(x), distributed.local_slice(y)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                model.set_collect_stats(log_now and micro == 0)
-                with distributed.grad_sync(step_model, micro + 1 == t.grad_accum):
-                    with autocast or nullcontext():
-                        out = fwd_model(x, y)
-                    aux = model.weighted_aux_loss(out.aux_losses, step)
-                    loss = out.loss if aux is None else out.loss + aux
-                    (loss / t.grad_accum).backward()
-                lm_acc += out.loss.detach() / t.grad_accum
-                for k, v in out.aux_losses.items():
-                    aux_acc[k] = aux_acc.get(k, 0.0) + v.detach() / t.grad_accum
-                if out.stats:
-                    stats = out.stats
-            model.set_collect_stats(False)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            window_steps += 1
-            if device.type == "cuda" and log_now:
-                torch.cuda.synchronize(device)
-            t_train += time.perf_counter() - step_start
-
-            if log_now:
-                lm_mean, aux_mean, stats = _mean_logged(lm_acc, aux_acc, stats)
-                loss_value = lm_mean.item() / window_steps
-                if not math.isfinite(loss_value):
-                    raise TrainingDiverged(
-                        f"training loss became {loss_value} at step {step}: lower --lr (now {t.lr:g}) "
-                        f"or --capacity, or raise --grad-clip; the run is marked FAILED"
-                    )
-                now = time.perf_counter()
-                tok_s = window_steps * tokens_per_step / max(now - window_start, 1e-9)
-                metrics = {
-                    "train/loss": loss_value,
-                    "train/lr": optimizer.param_groups[0]["lr"],
-                    "train/grad_norm": grad_norm.item(),
-                    "perf/tokens_per_s": tok_s,
-                    "perf/step_time_s": (now - window_start) / window_steps,
-                    "perf/flops_per_token": flops_per_token,
-                    "perf/cum_flops": step * tokens_per_step * flops_per_token,
-                    "perf/peak_mem_mb": peak_memory_mb(device),
-                }
-                for k, v in aux_mean.items():
-                    metrics[f"train/aux/{k}"] = v.item() / window_steps
-                peak = peak_flops(device)
-                if peak:
-                    metrics["perf/mfu"] = flops_per_token * tok_s / peak
-                for layer_id, s in zip(routed_ids, stats):
-                    for key in ("fraction", "mean_position", "score_entropy"):
-                        metrics[f"route/L{layer_id}/{key}"] = s[key].item()
-                tracker.log_metrics(metrics, step)
-                history.append({"step": step, **metrics})
-                bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{tok_s:,.0f}")
-                lm_acc.zero_()
-                aux_acc = {}
-                window_steps, window_start = 0, time.perf_counter()
-
-            if t.checkpoint_every and step % t.checkpoint_every == 0:
-                distributed.average_buffers(model.routers)  # see distributed.wrap_model
-                if main:
-                    _save(ckpt_path, model, optimizer, data_gen, step, time.perf_counter() - run_start, history, tracker, cfg)
-            # Rank 0 evaluates the plain module on the whole eval set (single-process numbers);
-            # the others go on and wait for it at the next gradient all-reduce.
-            if main and step % t.eval_every == 0 and (total_steps is None or step < total_steps):
-                val = evaluate(model, val_x, val_y, batch_size=t.batch_size, device=device, autocast=autocast, hard_labels=val_hard)
-                tracker.log_metrics({f"val/{k}": v for k, v in val.items()}, step)
-                history.append({"step": step, **{f"val/{k}": v for k, v in val.items()}})
-                if on_eval is not None:
-                    on_eval(step, val)
-                window_start = time.perf_counter()
-            bar.update(1)
-        bar.close()
-        if not main:
-            return distributed.broadcast_object(None)  # rank 0's result, once it has finished
-
-        # The causal rules' running thresholds lag behind drifting scores: re-estimate them on the
-        # final weights from training batches of their own stream (modbench.run.causal_eval), then the
-        # final validation also scores the causal and dense routing modes (train/inference gap).
-        calib_gen = torch.Generator().manual_seed(t.seed + CALIBRATION_SEED_OFFSET)
-        calibrate_causal_rules(
-            model, [get_batch(corpus.train, t.batch_size, t.seq_len, calib_gen)[0] for _ in range(CALIBRATION_BATCHES)],
-            autocast=autocast,
-        )
-        val = evaluate(model, val_x, val_y, batch_size=t.batch_size, device=device, autocast=autocast,
-                       hard_labels=val_hard, modes=True)
-        test_x, test_y, test_hard = _eval_set(corpus, "test", t)
-        test = evaluate(model, test_x, test_y, batch_size=t.batch_size, device=device, autocast=autocast, hard_labels=test_hard)
-        final = {**{f"val/{k}": v for k, v in val.items()}, **{f"test/{k}": v for k, v in test.items()}}
-        tokens_done = step * tokens_per_step
-        tokens_per_s = (step - start_step) * tokens_per_step / max(t_train, 1e-9)
-        wall = time.perf_counter() - run_start - elapsed_before
-        overhead = tracker.seconds / max(wall, 1e-9)
-        final.update({"perf/train_tokens_per_s": tokens_per_s, "perf/logging_overhead": overhead, "perf/total_flops": tokens_done * flops_per_token})
-        tracker.log_metrics(final, step)
-        _log_heatmap(model, val_x, device, tracker, run_dir, routed_ids)
-        _save(ckpt_path, model, optimizer, data_gen, step, time.perf_counter() - run_start, history, tracker, cfg)
-        tracker.set_tags({"checkpoint": str(ckpt_path.resolve())})  # `modbench generate --run <id>` finds it here
-        tracker.flush()
-        run_id = tracker.run_id
-
-    result = TrainResult(
-        run_id=run_id,
-        steps=step,
-        tokens=tokens_done,
-        flops=tokens_done * flops_per_token,
-        flops_per_token=flops_per_token,
-        val=val,
-        test=test,
-        tokens_per_s=tokens_per_s,
-        logging_overhead=overhead,
-        history=history,
-        checkpoint=ckpt_path,
+    return _Run(
+        cfg=cfg, device=device, main=distributed.is_main(), corpus=corpus, model=model, step_model=step_model,
+        fwd_model=torch.compile(step_model) if t.compile else step_model, optimizer=optimizer,
+        base_lrs=[g["lr"] for g in optimizer.param_groups],
+        autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None,
+        tokens_per_step=tokens_per_step, flops_per_token=flops_per_token, budget=budget,
+        total_steps=budget.steps(tokens_per_step, flops_per_token * tokens_per_step),
+        data_gen=torch.Generator().manual_seed(t.seed), val=_eval_set(corpus, "val", t),
+        routed_ids=[i for i, layer in enumerate(model.layers) if isinstance(layer, RoutedBlock)],
+        run_dir=run_dir, ckpt_path=run_dir / "checkpoint.pt", lm_acc=torch.zeros((), device=device),
     )
-    return distributed.broadcast_object(result)
+
+
+def _restore(run: _Run) -> None:
+    """Continue from the run's checkpoint exactly: weights, optimizer, data and RNG states."""
+    state = load_checkpoint(run.ckpt_path)
+    if state["config"] != run.cfg.to_toml_dict():
+        raise ModbenchError(f"checkpoint {run.ckpt_path} was written by a different config: resume with the same flags")
+    run.model.load_state_dict(state["model"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.data_gen.set_state(state["data_rng"])
+    torch.set_rng_state(state["torch_rng"])
+    run.start_step, run.elapsed_before, run.history, run.run_id = state["step"], state["elapsed"], state["history"], state["run_id"]
+    run.step = run.start_step
+    if run.start_step >= (run.total_steps or math.inf):
+        raise ModbenchError(f"run {run.run_dir.name} already finished its {run.total_steps} steps: nothing to resume")
+
+
+def _open_tracker(run: _Run, tracker: Any) -> tuple[Any, bool]:
+    """(tracker, whether this run owns it): rank 0 tracks; a caller's tracker is the caller's."""
+    from modbench.track.tracking import NullTracker, Tracker
+
+    if not run.main:
+        return NullTracker(), False  # one MLflow run per trial, written by rank 0
+    if tracker is not None:
+        return tracker, False
+    t = run.cfg.train
+    return (Tracker(t.experiment, run_name=run.run_dir.name, run_id=run.run_id) if t.track else NullTracker()), True
+
+
+def _log_start(run: _Run) -> None:
+    t = run.cfg.train
+    resolved = {
+        "budget.resolved_steps": run.total_steps if run.total_steps is not None else "time",
+        "budget.tokens_per_step": run.tokens_per_step,
+        "budget.flops_per_token": run.flops_per_token,
+        "budget.total_flops": (run.total_steps or 0) * run.tokens_per_step * run.flops_per_token,
+        "model.params": run.model.num_params(),
+        "routing.resolved_pattern": pattern_string(run.model.routed_flags),
+    }
+    run.tracker.log_params({**run.cfg.to_dict(), **resolved})
+    run.tracker.set_tags({"dataset_sha256": run.corpus.sha256, "device": _device_name(run.device), "dataset": t.dataset})
+    run.tracker.log_dict(run.cfg.to_toml_dict(), "config.json")
+
+
+def _progress_fraction(run: _Run) -> float | None:
+    """Where the run is in its budget, in [0, 1), or None when the budget is spent."""
+    elapsed = time.perf_counter() - run.run_start
+    if run.total_steps is None:
+        # A time budget must stop every rank at the same step and give each the same LR.
+        elapsed = distributed.broadcast_float(elapsed)
+        return None if elapsed >= run.budget.amount else elapsed / run.budget.amount
+    return None if run.step >= run.total_steps else run.step / run.total_steps
+
+
+def _train_step(run: _Run, frac: float) -> bool:
+    """One optimizer step over grad_accum micro-batches; returns whether to log after it."""
+    t = run.cfg.train
+    for g, base in zip(run.optimizer.param_groups, run.base_lrs):
+        g["lr"] = lr_at(frac, base, run.cfg)
+    log_now = (run.step + 1) % t.log_every == 0 or (run.total_steps is not None and run.step + 1 == run.total_steps)
+    step_start = time.perf_counter()
+    for micro in range(t.grad_accum):
+        _micro_step(run, micro, collect_stats=log_now and micro == 0)
+    run.model.set_collect_stats(False)
+    run.grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), t.grad_clip)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    run.window_steps += 1
+    if run.device.type == "cuda" and log_now:
+        torch.cuda.synchronize(run.device)
+    run.train_seconds += time.perf_counter() - step_start
+    return log_now
+
+
+def _micro_step(run: _Run, micro: int, *, collect_stats: bool) -> None:
+    t = run.cfg.train
+    # Every rank draws the whole global batch (same generator, same state) and keeps its own
+    # slice, so the data order is the single-process one at any world size.
+    x, y = get_batch(run.corpus.train, t.batch_size, t.seq_len, run.data_gen)
+    x, y = distributed.local_slice(x), distributed.local_slice(y)
+    x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
+    run.model.set_collect_stats(collect_stats)
+    with distributed.grad_sync(run.step_model, micro + 1 == t.grad_accum):
+        with run.autocast or nullcontext():
+            out = run.fwd_model(x, y)
+        aux = run.model.weighted_aux_loss(out.aux_losses, run.step)
+        loss = out.loss if aux is None else out.loss + aux
+        (loss / t.grad_accum).backward()
+    run.lm_acc += out.loss.detach() / t.grad_accum
+    for k, v in out.aux_losses.items():
+        run.aux_acc[k] = run.aux_acc.get(k, 0.0) + v.detach() / t.grad_accum
+    if out.stats:
+        run.route_stats = out.stats
+
+
+def _log_step(run: _Run) -> dict[str, str]:
+    """Average the window, check for divergence, log every registered per-step metric."""
+    lm_mean, aux_mean, stats = _mean_logged(run.lm_acc, run.aux_acc, run.route_stats)
+    loss = lm_mean.item() / run.window_steps
+    if not math.isfinite(loss):
+        raise TrainingDiverged(
+            f"training loss became {loss} at step {run.step}: lower --lr (now {run.cfg.train.lr:g}) "
+            f"or --capacity, or raise --grad-clip; the run is marked FAILED"
+        )
+    window = _Window(run.window_steps, time.perf_counter() - run.window_start, loss,
+                     {k: v.item() / run.window_steps for k, v in aux_mean.items()}, run.grad_norm.item(), stats)
+    metrics: dict[str, float] = {}
+    for fn in STEP_METRICS:
+        metrics.update(fn(run, window))
+    run.tracker.log_metrics(metrics, run.step)
+    run.history.append({"step": run.step, **metrics})
+    run.lm_acc.zero_()
+    run.aux_acc, run.route_stats = {}, []
+    run.window_steps, run.window_start = 0, time.perf_counter()
+    return {"loss": f"{loss:.4f}", "tok_s": f"{metrics['perf/tokens_per_s']:,.0f}"}
+
+
+def _checkpoint_phase(run: _Run) -> None:
+    every = run.cfg.train.checkpoint_every
+    if every and run.step % every == 0:
+        distributed.average_buffers(run.model.routers)  # see distributed.wrap_model
+        if run.main:
+            _save(run)
+
+
+def _evaluate_phase(run: _Run, on_eval: Callable[[int, dict[str, float]], None] | None) -> None:
+    """Rank 0 evaluates the plain module on the whole eval set (single-process numbers); the
+    others go on and wait for it at the next gradient all-reduce."""
+    t = run.cfg.train
+    if not run.main or run.step % t.eval_every or (run.total_steps is not None and run.step >= run.total_steps):
+        return
+    val_x, val_y, val_hard = run.val
+    val = evaluate(run.model, val_x, val_y, batch_size=t.batch_size, device=run.device, autocast=run.autocast,
+                   hard_labels=val_hard)
+    logged = {f"val/{k}": v for k, v in val.items()}
+    logged.update({"perf/cum_flops": run.step * run.tokens_per_step * run.flops_per_token,
+                   "perf/cum_tokens": run.step * run.tokens_per_step})
+    run.tracker.log_metrics(logged, run.step)
+    run.history.append({"step": run.step, **logged})
+    if on_eval is not None:
+        on_eval(run.step, val)
+    run.window_start = time.perf_counter()
+
+
+def _finish(run: _Run) -> TrainResult:
+    """Calibrate the causal rules, evaluate val (all routing modes) and test, log, save."""
+    t = run.cfg.train
+    # The causal rules' running thresholds lag behind drifting scores: re-estimate them on the
+    # final weights from training batches of their own stream (modbench.run.causal_eval), then the
+    # final validation also scores the causal and dense routing modes (train/inference gap).
+    calib_gen = torch.Generator().manual_seed(t.seed + CALIBRATION_SEED_OFFSET)
+    calibrate_causal_rules(
+        run.model, [get_batch(run.corpus.train, t.batch_size, t.seq_len, calib_gen)[0] for _ in range(CALIBRATION_BATCHES)],
+        autocast=run.autocast,
+    )
+    val_x, val_y, val_hard = run.val
+    val = evaluate(run.model, val_x, val_y, batch_size=t.batch_size, device=run.device, autocast=run.autocast,
+                   hard_labels=val_hard, modes=True)
+    test_x, test_y, test_hard = _eval_set(run.corpus, "test", t)
+    test = evaluate(run.model, test_x, test_y, batch_size=t.batch_size, device=run.device, autocast=run.autocast,
+                    hard_labels=test_hard)
+    tokens_done = run.step * run.tokens_per_step
+    tokens_per_s = (run.step - run.start_step) * run.tokens_per_step / max(run.train_seconds, 1e-9)
+    wall = time.perf_counter() - run.run_start - run.elapsed_before
+    overhead = run.tracker.seconds / max(wall, 1e-9)
+    final = {**{f"val/{k}": v for k, v in val.items()}, **{f"test/{k}": v for k, v in test.items()},
+             "perf/train_tokens_per_s": tokens_per_s, "perf/logging_overhead": overhead,
+             "perf/total_flops": tokens_done * run.flops_per_token}
+    run.tracker.log_metrics(final, run.step)
+    _log_heatmap(run.model, val_x, run.device, run.tracker, run.run_dir, run.routed_ids)
+    _save(run)
+    run.tracker.set_tags({"checkpoint": str(run.ckpt_path.resolve())})  # `modbench generate --run <id>` finds it here
+    run.tracker.flush()
+    return TrainResult(
+        run_id=run.tracker.run_id, steps=run.step, tokens=tokens_done, flops=tokens_done * run.flops_per_token,
+        flops_per_token=run.flops_per_token, val=val, test=test, tokens_per_s=tokens_per_s, logging_overhead=overhead,
+        history=run.history, checkpoint=run.ckpt_path,
+    )
 
 
 def _mean_logged(lm_acc: torch.Tensor, aux_acc: dict[str, torch.Tensor], stats: list[dict[str, torch.Tensor]]):
@@ -373,19 +490,19 @@ def _eval_set(corpus: Corpus, split: str, t) -> tuple[torch.Tensor, torch.Tensor
     return x, y, None
 
 
-def _save(path, model, optimizer, data_gen, step, elapsed, history, tracker, cfg) -> None:
+def _save(run: _Run) -> None:
     save_checkpoint(
-        path,
+        run.ckpt_path,
         {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "data_rng": data_gen.get_state(),
+            "model": run.model.state_dict(),
+            "optimizer": run.optimizer.state_dict(),
+            "data_rng": run.data_gen.get_state(),
             "torch_rng": torch.get_rng_state(),
-            "step": step,
-            "elapsed": elapsed,
-            "history": history,
-            "run_id": tracker.run_id,
-            "config": cfg.to_toml_dict(),
+            "step": run.step,
+            "elapsed": time.perf_counter() - run.run_start,
+            "history": run.history,
+            "run_id": run.tracker.run_id,
+            "config": run.cfg.to_toml_dict(),
         },
     )
 
