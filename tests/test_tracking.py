@@ -24,7 +24,7 @@ from modbench.track.tracking import (
     NullTracker,
     Tracker,
     fail_stale_runs,
-    tracking_uri,
+    resolve_tracking_uri,
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -131,11 +131,11 @@ def test_yaml_dict_and_long_params(store, cwd):
 
 def test_tracking_uri_respects_env(monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
-    assert tracking_uri() == "http://127.0.0.1:5000"
+    assert resolve_tracking_uri() == "http://127.0.0.1:5000"
 
 
 def test_tracking_uri_default_is_absolute_sqlite(cwd):
-    uri = tracking_uri()
+    uri = resolve_tracking_uri()
     assert uri.startswith("sqlite:///")
     path = Path(uri[len("sqlite:///") :])
     assert path.is_absolute()

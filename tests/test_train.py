@@ -221,3 +221,22 @@ def test_a_per_step_metric_is_one_registered_function(tmp_cwd, monkeypatch):
     assert [(h["step"], h["test/window_steps"], h["test/step"]) for h in logged] == [(3, 3.0, 3.0), (6, 3.0, 6.0)]
     assert all("train/loss" in h and "train/bpb" in h for h in logged)
     assert all(h["train/bpb"] == pytest.approx(h["train/loss"] / math.log(2)) for h in logged)
+
+
+def test_tracking_uri_flag_is_where_the_run_goes(tmp_cwd, monkeypatch):
+    """`--tracking-uri` beats the environment and the ./mlflow.db default, for train and generate."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_cwd}/from-env.db")
+    store = tmp_cwd / "elsewhere" / "store.db"
+    store.parent.mkdir()
+    argv = ["train", "--variant", "sigmoid", "--capacity", "0.25", "--depth", "2", "--n-embd", "64", "--head-dim", "16",
+            "--max-seq-len", "64", "--seq-len", "64", "--batch-size", "8", "--dataset", "arithmetic",
+            "--budget", "steps=2", "--eval-every", "100", "--eval-windows", "4", "--experiment", "flag-test",
+            "--tracking-uri", f"sqlite:///{store}", "--quiet"]
+    assert main(argv) == 0
+    assert store.is_file() and not (tmp_cwd / "from-env.db").exists() and not (tmp_cwd / "mlflow.db").exists()
+    runs = MlflowClient(f"sqlite:///{store}").search_runs(
+        [MlflowClient(f"sqlite:///{store}").get_experiment_by_name("flag-test").experiment_id])
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    # generate finds the run by id through the same flag (and not through the environment).
+    assert main(["generate", "--run", runs[0].info.run_id, "--prompt", "1+1=", "--max-new-tokens", "2",
+                 "--no-dense", "--json", "--tracking-uri", f"sqlite:///{store}"]) == 0

@@ -14,13 +14,14 @@ import re
 import sys
 from pathlib import Path
 
+from modbench.cli.common import add_tracking_flag, tracking_uri_of
 from modbench.errors import ModbenchError
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 
 
-def resolve_checkpoint(run: str) -> Path:
-    """A checkpoint path from ``--run``: a file path, or an MLflow run id."""
+def resolve_checkpoint(run: str, tracking_uri: str) -> Path:
+    """A checkpoint path from ``--run``: a file path, or an MLflow run id in ``tracking_uri``."""
     path = Path(run)
     if path.is_dir() and (path / "checkpoint.pt").is_file():  # a run directory
         path = path / "checkpoint.pt"
@@ -28,17 +29,17 @@ def resolve_checkpoint(run: str) -> Path:
         return path
     if not RUN_ID.fullmatch(run):
         raise ModbenchError(f"--run {run!r}: no checkpoint file there, and it is not an MLflow run id (32 hex digits)")
-    from modbench.track.tracking import _connect, _sqlite_db_path, tracking_uri
+    from modbench.track.tracking import connect, sqlite_db_path
 
-    uri = tracking_uri()
-    db = _sqlite_db_path(uri)
+    uri = tracking_uri
+    db = sqlite_db_path(uri)
     if db is not None and not db.is_file():  # do not create an empty store just to look
-        raise ModbenchError(f"--run {run}: no MLflow store at {db} (run from the directory that has mlflow.db, or set MLFLOW_TRACKING_URI)")
-    client = _connect(uri)
+        raise ModbenchError(f"--run {run}: no MLflow store at {db} (run from the directory that has mlflow.db, or pass --tracking-uri)")
+    client = connect(uri)
     try:
         info = client.get_run(run)
     except Exception:
-        raise ModbenchError(f"--run {run}: no such MLflow run in {uri} (set MLFLOW_TRACKING_URI to the store that has it)") from None
+        raise ModbenchError(f"--run {run}: no such MLflow run in {uri} (pass --tracking-uri of the store that has it)") from None
     tagged = info.data.tags.get("checkpoint")
     if tagged:
         candidate = Path(tagged)
@@ -85,7 +86,7 @@ def run(args) -> int:
     if not prompt_bytes:
         raise ModbenchError("--prompt is empty: give at least one character")
     device = resolve_device(args.device)
-    model, cfg = load_model(resolve_checkpoint(args.run), device)
+    model, cfg = load_model(resolve_checkpoint(args.run, tracking_uri_of(args)), device)
     if max(prompt_bytes) >= cfg.model.vocab_size:
         raise ModbenchError(f"the prompt has bytes outside the model's vocabulary of {cfg.model.vocab_size}")
     total = len(prompt_bytes) + args.max_new_tokens
@@ -135,4 +136,5 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--no-dense", action="store_true", help="skip the routing-off timing run")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_tracking_flag(p)
     p.set_defaults(func=run)

@@ -14,6 +14,7 @@ from modbench.cli import demo, generate, report, study, train, ui, variants
 from modbench.errors import ModbenchError
 
 
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse prints usage + exits 2; keep it to one line
         raise ModbenchError(f"{message} (see '{self.prog} --help')")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 
+from modbench.cli.common import add_tracking_flag, tracking_uri_of
+
 
 def run(args) -> int:
     from modbench.report.build import build_report, command_line
 
-    path = build_report(args.study_file, storage=args.storage, out_dir=args.out_dir, reports_dir=args.reports_dir,
+    path = build_report(args.study_file, uri=tracking_uri_of(args), storage=args.storage, out_dir=args.out_dir, reports_dir=args.reports_dir,
                         command=command_line(), progress=not (args.quiet or args.json))
     if args.quiet or args.json:
         print(json.dumps({"report": str(path)}))
@@ -23,6 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--storage", help="Optuna storage URL (default: SQLite in --out-dir)")
     p.add_argument("--out-dir", default="runs/studies")
     p.add_argument("--reports-dir", default="reports")
+    add_tracking_flag(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars; print one JSON line")
     p.add_argument("--json", action="store_true", help="print the report's path as JSON")
     p.set_defaults(func=run)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from modbench.cli.common import add_tracking_flag, tracking_uri_of
 from modbench.errors import ModbenchError
 
 
@@ -29,7 +30,8 @@ def run(args) -> int:
     from modbench.study.runner import run_study
 
     outcome = run_study(args.study_file, storage=args.storage, out_dir=args.out_dir, n_trials=args.n_trials,
-                        progress=not args.quiet, heartbeat=args.heartbeat, grace=args.grace)
+                        progress=not args.quiet, heartbeat=args.heartbeat, grace=args.grace,
+                        tracking_uri=tracking_uri_of(args))
     summary = {"study": outcome.name, "storage": outcome.storage, "ran": outcome.ran, "trials": outcome.counts,
                "best": outcome.best, "seconds": round(outcome.seconds, 1)}
     if args.quiet or args.json:
@@ -71,6 +73,7 @@ def add_parser(sub) -> None:
     r.add_argument("--n-trials", type=int, help="run at most this many trials now")
     r.add_argument("--heartbeat", type=int, default=10, help="seconds between trial heartbeats")
     r.add_argument("--grace", type=int, default=30, help="seconds without heartbeat before a trial counts as dead and is retried")
+    add_tracking_flag(r)
     r.add_argument("--quiet", action="store_true")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=run)

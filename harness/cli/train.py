@@ -10,6 +10,7 @@ import time
 
 from modbench.run import distributed
 from modbench.errors import ModbenchError
+from modbench.cli.common import add_tracking_flag, tracking_uri_of
 from modbench.config.run import add_config_flags, config_from_args
 
 # How long a rank other than 0 holds back its error (below); torchrun stops it sooner.
@@ -26,7 +27,8 @@ def run(args) -> int:
         if main and not args.quiet:
             print(f"modbench train: {describe(cfg.model, cfg.routing)}")
             print(cfg.to_json())
-        result = train(cfg, resume=args.resume, progress=not args.quiet)
+        uri = tracking_uri_of(args) if cfg.train.track else None
+        result = train(cfg, tracking_uri=uri, resume=args.resume, progress=not args.quiet)
     except ModbenchError as e:
         if main:
             raise
@@ -67,6 +69,7 @@ def run(args) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train one model (FLOP/token/step/time budget), tracked in MLflow")
     add_config_flags(p)
+    add_tracking_flag(p)
     p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bar; print one JSON summary line")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")

@@ -24,14 +24,14 @@ _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 def resolve_store(backend_store_uri: str | None) -> str:
     """The backend store URI to serve; ModbenchError when it is a server already or a
     SQLite file that does not exist (``mlflow server`` would create an empty one)."""
-    from modbench.track.tracking import _sqlite_db_path, tracking_uri
+    from modbench.track.tracking import resolve_tracking_uri, sqlite_db_path
 
-    uri = backend_store_uri or tracking_uri()
+    uri = resolve_tracking_uri(backend_store_uri)
     if uri.split("://", 1)[0].lower() in ("http", "https"):
         where = "--backend-store-uri" if backend_store_uri else "MLFLOW_TRACKING_URI"
         raise ModbenchError(f"{where} is a tracking server already ({uri}): open it in a browser, "
                             "or pass --backend-store-uri sqlite:///PATH/mlflow.db")
-    db = _sqlite_db_path(uri)
+    db = sqlite_db_path(uri)
     if db is not None and not db.is_file():
         raise ModbenchError(f"no MLflow store at {db}: run 'modbench study run STUDY_FILE' or 'modbench train' "
                             "in this directory first, or pass --backend-store-uri")
@@ -66,10 +66,10 @@ def check_port(host: str, port: int) -> None:
 def study_experiment_id(uri: str, study_file: str) -> str:
     """The MLflow experiment id of the study in ``study_file``."""
     from modbench.config.study import load_study
-    from modbench.track.tracking import _connect
+    from modbench.track.tracking import connect
 
     name = load_study(study_file).name
-    exp = _connect(uri).get_experiment_by_name(name)
+    exp = connect(uri).get_experiment_by_name(name)
     if exp is None:
         raise ModbenchError(f"no MLflow experiment {name!r} in {uri}: run 'modbench study run {study_file}' first")
     return exp.experiment_id
@@ -137,7 +137,8 @@ def run(args) -> int:
 def add_parser(sub) -> None:
     p = sub.add_parser("ui", help="browse and compare tracked runs in the MLflow UI (foreground, Ctrl-C stops)")
     p.add_argument("study_file", nargs="?", help="open this study's experiment (default: the experiment list)")
-    p.add_argument("--backend-store-uri", help="store to serve (default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db)")
+    p.add_argument("--tracking-uri", "--backend-store-uri", dest="backend_store_uri",
+                   help="store to serve (default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=5000, help="port to listen on (default: 5000)")
     p.set_defaults(func=run)

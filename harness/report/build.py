@@ -107,8 +107,8 @@ def summary_rows(arms: pd.DataFrame, comp: pd.DataFrame) -> tuple[pd.DataFrame, 
     return pd.DataFrame(rows), sentences
 
 
-def build_report(study_path: str | Path, *, storage: str | None = None, out_dir: str | Path = "runs/studies",
-                 reports_dir: str | Path = "reports", uri: str | None = None, command: str | None = None,
+def build_report(study_path: str | Path, *, uri: str, storage: str | None = None, out_dir: str | Path = "runs/studies",
+                 reports_dir: str | Path = "reports", command: str | None = None,
                  progress: bool = False) -> Path:
     study = load_study(study_path)
     data = collect(study, storage=storage, out_dir=out_dir, uri=uri, progress=progress)

@@ -14,7 +14,6 @@ import pandas as pd
 
 from modbench.track.optuna_store import default_storage, trials_frame
 from modbench.config.study import Study
-from modbench.track.tracking import tracking_uri
 
 ARM_KEYS = ("variant", "capacity", "pattern", "schedule", "lr_mult", "depth", "budget")
 GROUP_KEYS = ("depth", "budget", "lr_mult")
@@ -52,7 +51,7 @@ def _label(row: pd.Series, varying: set[str]) -> str:
     return " ".join(parts)
 
 
-def collect(study: Study, *, storage: str | None = None, out_dir: str | Path = "runs/studies", uri: str | None = None,
+def collect(study: Study, *, uri: str, storage: str | None = None, out_dir: str | Path = "runs/studies",
             progress: bool = False) -> ReportData:
     url = storage or default_storage(study, out_dir)
     trials = trials_frame(study.name, url)
@@ -66,7 +65,7 @@ def collect(study: Study, *, storage: str | None = None, out_dir: str | Path = "
     varying = {k for k in ARM_KEYS if done[k].astype(str).nunique() > 1}
     done["arm"] = done.apply(_label, axis=1, varying=varying) if len(done) else pd.Series(dtype=str)
     done["group"] = done.apply(lambda r: " ".join(f"{k}={r[k]}" for k in GROUP_KEYS if k in varying) or "all", axis=1) if len(done) else pd.Series(dtype=str)
-    curves, tags = _from_mlflow(done, study.name, uri or tracking_uri(), progress)
+    curves, tags = _from_mlflow(done, study.name, uri, progress)
     return ReportData(study, url, trials, done, curves, tags)
 
 

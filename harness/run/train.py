@@ -37,6 +37,7 @@ from modbench.run.causal_eval import calibrate_causal_rules
 from modbench.model.gpt import GPT, RoutedBlock
 from modbench.config.patterns import pattern_string
 from modbench.config.run import RunConfig
+from modbench.track.tracking import RunTracker
 
 # Dense bf16 tensor-core peaks (FLOP/s) for MFU; unknown devices report no MFU.
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
@@ -126,6 +127,7 @@ def train(
     cfg: RunConfig,
     *,
     tracker: Any = None,
+    tracking_uri: str | None = None,
     resume: bool = False,
     progress: bool = True,
     on_eval: Callable[[int, dict[str, float]], None] | None = None,
@@ -133,12 +135,14 @@ def train(
     """Train one run; under torchrun, data-parallel over its processes (see the module doc).
 
     Every rank returns rank 0's result. ``tracker``, ``progress`` and ``on_eval`` only
-    act on rank 0.
+    act on rank 0. With no ``tracker`` and ``train.track`` on, the run is logged to
+    ``tracking_uri`` (default: ``resolve_tracking_uri()``, what a CLI command resolves once).
     """
     device = resolve_device(cfg.train.device)
     distributed.check_batch_size(cfg.train.batch_size)  # before any process waits for another
     with distributed.process_group(device) as device:
-        return _train(cfg, device, tracker=tracker, resume=resume, progress=progress, on_eval=on_eval)
+        return _train(cfg, device, tracker=tracker, tracking_uri=tracking_uri, resume=resume, progress=progress,
+                      on_eval=on_eval)
 
 
 @dataclass
@@ -176,7 +180,7 @@ class _Run:
     routed_ids: list[int]
     run_dir: Path
     ckpt_path: Path
-    tracker: Any = None
+    tracker: RunTracker | None = None
     step: int = 0
     start_step: int = 0
     elapsed_before: float = 0.0
@@ -234,12 +238,12 @@ def _route_metrics(run: _Run, w: _Window) -> dict[str, float]:
 
 
 # --- the phases -----------------------------------------------------------------------------
-def _train(cfg: RunConfig, device: torch.device, *, tracker: Any, resume: bool, progress: bool,
-           on_eval: Callable[[int, dict[str, float]], None] | None) -> TrainResult:
+def _train(cfg: RunConfig, device: torch.device, *, tracker: RunTracker | None, tracking_uri: str | None, resume: bool,
+           progress: bool, on_eval: Callable[[int, dict[str, float]], None] | None) -> TrainResult:
     run = _setup(cfg, device)
     if resume:
         _restore(run)
-    run.tracker, owns_tracker = _open_tracker(run, tracker)
+    run.tracker, owns_tracker = _open_tracker(run, tracker, tracking_uri)
     with run.tracker if owns_tracker else nullcontext(run.tracker):
         if run.start_step == 0:
             _log_start(run)
@@ -303,16 +307,19 @@ def _restore(run: _Run) -> None:
         raise ModbenchError(f"run {run.run_dir.name} already finished its {run.total_steps} steps: nothing to resume")
 
 
-def _open_tracker(run: _Run, tracker: Any) -> tuple[Any, bool]:
+def _open_tracker(run: _Run, tracker: RunTracker | None, tracking_uri: str | None) -> tuple[RunTracker, bool]:
     """(tracker, whether this run owns it): rank 0 tracks; a caller's tracker is the caller's."""
-    from modbench.track.tracking import NullTracker, Tracker
+    from modbench.track.tracking import NullTracker, Tracker, resolve_tracking_uri
 
     if not run.main:
         return NullTracker(), False  # one MLflow run per trial, written by rank 0
     if tracker is not None:
         return tracker, False
     t = run.cfg.train
-    return (Tracker(t.experiment, run_name=run.run_dir.name, run_id=run.run_id) if t.track else NullTracker()), True
+    if not t.track:
+        return NullTracker(), True
+    uri = tracking_uri or resolve_tracking_uri()
+    return Tracker(t.experiment, run_name=run.run_dir.name, run_id=run.run_id, uri=uri), True
 
 
 def _log_start(run: _Run) -> None:

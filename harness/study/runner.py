@@ -30,9 +30,9 @@ import optuna
 from optuna.trial import TrialState
 
 from modbench.errors import ModbenchError
-from modbench.config.study import OBJECTIVES, Arm, Range, Study, canonical_arm, load_study
+from modbench.config.study import Arm, Range, Study, canonical_arm, load_study
 from modbench.track.optuna_store import connect_storage, default_storage, hide_password, study_dir
-from modbench.track.tracking import Tracker, fail_stale_runs, tracking_uri
+from modbench.track.tracking import Tracker, fail_stale_runs
 from modbench.run.train import train
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
@@ -50,7 +50,8 @@ class StudyOutcome:
     seconds: float
 
 
-def open_storage(url: str, experiment: str, *, heartbeat: int, grace: int, max_retry: int = 2) -> optuna.storages.RDBStorage:
+def open_storage(url: str, experiment: str, *, tracking_uri: str, heartbeat: int, grace: int,
+                 max_retry: int = 2) -> optuna.storages.RDBStorage:
     with warnings.catch_warnings():  # heartbeats are marked experimental in Optuna 5
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         retry = optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=max_retry)
@@ -59,7 +60,7 @@ def open_storage(url: str, experiment: str, *, heartbeat: int, grace: int, max_r
             # The worker died: its MLflow child run must not stay RUNNING forever.
             run_id = trial.user_attrs.get("mlflow_run_id")
             if run_id:
-                fail_stale_runs(experiment, run_ids=[run_id])
+                fail_stale_runs(experiment, uri=tracking_uri, run_ids=[run_id])
             retry(study, trial)
 
         return connect_storage(url, heartbeat_interval=heartbeat, grace_period=grace,
@@ -118,11 +119,13 @@ def objective_values(study: Study, result) -> list[float]:
 
 
 class Runner:
-    def __init__(self, study: Study, storage_url: str, out_dir: Path, *, heartbeat: int, grace: int) -> None:
+    def __init__(self, study: Study, storage_url: str, out_dir: Path, *, tracking_uri: str, heartbeat: int,
+                 grace: int) -> None:
         self.study = study
         self.out_dir = out_dir
         self.storage_url = storage_url
-        self.storage = open_storage(storage_url, study.name, heartbeat=heartbeat, grace=grace)
+        self.tracking_uri = tracking_uri
+        self.storage = open_storage(storage_url, study.name, tracking_uri=tracking_uri, heartbeat=heartbeat, grace=grace)
         self.optuna = self._create_or_load()
 
     # --- study creation: exactly one worker creates, queues the grid and the parent run ----
@@ -142,7 +145,8 @@ class Runner:
         if created:
             study.set_user_attr("study_file_sha256", s.file_sha256)
             study.set_user_attr("objectives", s.settings.objectives)
-            parent = Tracker(s.name, run_name=f"study {s.name}", tags={"modbench.study": s.name, "modbench.role": "study"}).start()
+            parent = Tracker(s.name, run_name=f"study {s.name}", tags={"modbench.study": s.name, "modbench.role": "study"},
+                             uri=self.tracking_uri).start()
             parent.log_params({"study.file": str(s.path), "study.sampler": s.settings.sampler, "study.pruner": s.settings.pruner,
                                "study.seeds": s.settings.seeds, "study.objectives": s.settings.objectives,
                                "study.file_sha256": s.file_sha256, **{f"base.{k}": v for k, v in s.base.to_dict().items()}})
@@ -194,10 +198,11 @@ class Runner:
         else:
             arm = suggest_arm(trial, s)
         cfg = s.run_config(arm, seed, out_dir=str(study_dir(s, self.out_dir) / "trials"), run_name=f"trial-{trial.number}",
-                           experiment=s.name, track=False)
+                           experiment=s.name, track=True)  # tracked, through the tracker passed to train
         tags = {"modbench.study": s.name, "optuna.trial_number": str(trial.number), "modbench.arm": arm.label,
                 "modbench.seed": str(seed), "optuna.state": "RUNNING"}
-        tracker = Tracker(s.name, run_name=f"trial-{trial.number} {arm.label} s{seed}", parent_run_id=self.parent_run_id, tags=tags)
+        tracker = Tracker(s.name, run_name=f"trial-{trial.number} {arm.label} s{seed}", parent_run_id=self.parent_run_id, tags=tags,
+                          uri=self.tracking_uri)
         multi = len(s.directions) > 1
 
         def report(step: int, val: dict[str, float]) -> None:
@@ -283,7 +288,7 @@ class Runner:
             return
         from mlflow.tracking import MlflowClient
 
-        client = MlflowClient(tracking_uri())
+        client = MlflowClient(self.tracking_uri)
         best = best_trials(self.optuna)
         for i, t in enumerate(best[:1]):
             for name, value in zip(self.study.settings.objectives, t.values):
@@ -332,14 +337,15 @@ class _Progress:
 
 
 def run_study(path: str | Path, *, storage: str | None = None, out_dir: str | Path = "runs/studies",
-              n_trials: int | None = None, progress: bool = True, heartbeat: int = 10, grace: int = 30) -> StudyOutcome:
+              n_trials: int | None = None, progress: bool = True, heartbeat: int = 10, grace: int = 30,
+              tracking_uri: str) -> StudyOutcome:
     study = load_study(path)
     if n_trials is not None and n_trials < 1:
         raise ModbenchError(f"--n-trials must be >= 1, got {n_trials}")
     url = storage or default_storage(study, out_dir)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     t0 = time.monotonic()
-    runner = Runner(study, url, Path(out_dir), heartbeat=heartbeat, grace=grace)
+    runner = Runner(study, url, Path(out_dir), tracking_uri=tracking_uri, heartbeat=heartbeat, grace=grace)
     timeout = study.settings.timeout_s or None
     ran = runner.run(max_trials=n_trials, progress=progress, timeout_s=timeout)
     best = best_trials(runner.optuna)

@@ -25,7 +25,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from modbench.errors import ModbenchError, accepted
@@ -52,19 +52,45 @@ _NETWORK_DEFAULT_PORTS = {
 _CONNECT_TIMEOUT_S = 5.0
 
 
+# --------------------------------------------------------------------------- the protocol
+
+
+@runtime_checkable
+class RunTracker(Protocol):
+    """What a training run logs to: :class:`Tracker` (one MLflow run) or :class:`NullTracker`."""
+
+    run_id: str | None
+    seconds: float  # wall time spent inside the tracker (the logging overhead)
+
+    def start(self) -> "RunTracker": ...
+    def log_params(self, params: dict[str, object]) -> None: ...
+    def set_tags(self, tags: dict[str, str]) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def flush(self) -> None: ...
+    def log_dict(self, obj: dict, artifact_file: str) -> None: ...
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
+    def log_figure(self, fig, artifact_file: str) -> None: ...
+    def end(self, status: str = "FINISHED") -> None: ...
+    def __enter__(self) -> "RunTracker": ...
+    def __exit__(self, exc_type, exc, tb) -> bool: ...
+
+
 # --------------------------------------------------------------------------- URIs / tags
 
 
-def tracking_uri() -> str:
-    """``$MLFLOW_TRACKING_URI`` if set (a tracking server works unchanged), else an absolute
+def resolve_tracking_uri(flag: str | None = None) -> str:
+    """The tracking URI of one command, resolved once and passed down: ``--tracking-uri`` if
+    given, else ``$MLFLOW_TRACKING_URI`` (a tracking server works unchanged), else an absolute
     ``sqlite:///<cwd>/mlflow.db``. Never the ./mlruns file store."""
+    if flag and flag.strip():
+        return flag.strip()
     env = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
     if env:
         return env
     return "sqlite:///" + (Path.cwd().resolve() / "mlflow.db").as_posix()
 
 
-def _sqlite_db_path(uri: str) -> Path | None:
+def sqlite_db_path(uri: str) -> Path | None:
     """The database file of a ``sqlite:///`` URI, made absolute; None for other URIs or
     an in-memory database."""
     if not uri.startswith("sqlite:///"):
@@ -117,7 +143,7 @@ def _check_network_store(uri: str) -> None:
         raise _unreachable(uri, _first_line(exc)) from None
 
 
-def _connect(uri: str):
+def connect(uri: str):
     """An ``MlflowClient`` for ``uri`` whose store answered one query."""
     _check_network_store(uri)
     _quiet_mlflow_logging()
@@ -134,7 +160,7 @@ def _connect(uri: str):
 def artifact_root(uri: str) -> str | None:
     """``<dir of mlflow.db>/mlartifacts`` for a SQLite store, where every experiment keeps
     its artifacts; None (the server decides) otherwise."""
-    db = _sqlite_db_path(uri)
+    db = sqlite_db_path(uri)
     return None if db is None else (db.parent / "mlartifacts").as_posix()
 
 
@@ -207,7 +233,7 @@ class Tracker:
         run_name: str | None = None,
         parent_run_id: str | None = None,
         tags: dict[str, str] | None = None,
-        uri: str | None = None,
+        uri: str,
         flush_every: int = 20,
         run_id: str | None = None,
     ) -> None:
@@ -217,7 +243,7 @@ class Tracker:
         self.run_name = run_name
         self.parent_run_id = parent_run_id
         self.extra_tags = {str(k): str(v) for k, v in (tags or {}).items()}
-        self.uri = uri or tracking_uri()
+        self.uri = uri
         self.flush_every = flush_every
         self.seconds = 0.0
         self.experiment_id: str | None = None
@@ -266,7 +292,7 @@ class Tracker:
         if self._started:
             return self
         with self._timed():
-            client = _connect(self.uri)
+            client = connect(self.uri)
             tags = {**environment_tags(), **self.extra_tags}
             if tags["git_sha"] != "unknown":  # shown by the MLflow UI
                 tags["mlflow.source.git.commit"] = tags["git_sha"].removesuffix("-dirty")
@@ -451,7 +477,7 @@ def _artifact_dir(artifact_file: str) -> str | None:
 
 
 class NullTracker:
-    """The :class:`Tracker` API doing nothing (``--no-track`` and tests)."""
+    """A :class:`RunTracker` that records nothing (``--no-track``, ranks other than 0)."""
 
     run_id = None
     experiment_id = None
@@ -501,7 +527,7 @@ class NullTracker:
 def fail_stale_runs(
     experiment: str,
     *,
-    uri: str | None = None,
+    uri: str,
     older_than_s: float = 0,
     run_ids: list[str] | None = None,
 ) -> int:
@@ -512,8 +538,7 @@ def fail_stale_runs(
     runs were changed (0 when the experiment does not exist)."""
     from mlflow.entities import ViewType
 
-    uri = uri or tracking_uri()
-    client = _connect(uri)
+    client = connect(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return 0
