@@ -13,6 +13,7 @@ fails on a cycle or an upward edge):
     config   typed frozen configs and their one loader (TOML, flags, study files)
     data     byte corpora, splits, batches, evaluation windows
     variants routers and their registry (``from modbench.variants import register_variant``)
+    results  the declared metrics (``val/bpb``: unit, direction) and a run's record
     errors   ``ModbenchError``: a user's mistake, one line, exit 2
 
 In the source tree ``harness/`` holds the ``modbench`` package and ``variants/`` its

@@ -22,16 +22,17 @@ SOURCE_DIRS = {"modbench": REPO / "harness", "modbench.variants": REPO / "varian
 # Which sub-packages each may import (the root ``modbench`` holds only ``__version__``).
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
+    "results": {"errors"},
     "variants": {"errors"},
     "data": {"errors"},
-    "config": {"errors", "variants", "data"},
+    "config": {"errors", "results", "variants", "data"},
     "model": {"errors", "config", "variants"},
-    "track": {"errors", "config"},
-    "run": {"errors", "config", "data", "variants", "model", "track"},
+    "track": {"errors", "results", "config"},
+    "run": {"errors", "results", "config", "data", "variants", "model", "track"},
     "bench": {"errors", "config", "variants", "model"},
-    "report": {"errors", "config", "data", "variants", "model", "track"},
-    "study": {"errors", "config", "data", "run", "track"},
-    "cli": {"errors", "config", "data", "variants", "model", "track", "run", "bench", "report", "study"},
+    "report": {"errors", "results", "config", "data", "variants", "model", "track"},
+    "study": {"errors", "results", "config", "data", "run", "track"},
+    "cli": {"errors", "results", "config", "data", "variants", "model", "track", "run", "bench", "report", "study"},
 }
 
 

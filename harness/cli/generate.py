@@ -1,8 +1,7 @@
 """``modbench generate``: sample from a trained model with a routed KV cache.
 
 ``--run`` is a checkpoint file (``runs/<run name>/checkpoint.pt``, written by ``modbench
-train``) or an MLflow run id (its ``checkpoint`` tag, else ``<train.out_dir>/<run name>/
-checkpoint.pt``). The prompt is prefilled and new bytes are sampled one at a time with
+train``) or an MLflow run id: its checkpoint artifact is fetched from ``--tracking-uri``. The prompt is prefilled and new bytes are sampled one at a time with
 causal routing (``modbench.model.decode``); the same weights are then timed with routing off
 (every token through every layer) for the tokens/s comparison.
 """
@@ -29,26 +28,13 @@ def resolve_checkpoint(run: str, tracking_uri: str) -> Path:
         return path
     if not RUN_ID.fullmatch(run):
         raise ModbenchError(f"--run {run!r}: no checkpoint file there, and it is not an MLflow run id (32 hex digits)")
-    from modbench.track.tracking import connect, sqlite_db_path
+    from modbench.track.records import fetch_checkpoint, read_record
+    from modbench.track.tracking import sqlite_db_path
 
-    uri = tracking_uri
-    db = sqlite_db_path(uri)
+    db = sqlite_db_path(tracking_uri)
     if db is not None and not db.is_file():  # do not create an empty store just to look
         raise ModbenchError(f"--run {run}: no MLflow store at {db} (run from the directory that has mlflow.db, or pass --tracking-uri)")
-    client = connect(uri)
-    try:
-        info = client.get_run(run)
-    except Exception:
-        raise ModbenchError(f"--run {run}: no such MLflow run in {uri} (pass --tracking-uri of the store that has it)") from None
-    tagged = info.data.tags.get("checkpoint")
-    if tagged:
-        candidate = Path(tagged)
-    else:  # runs logged before the tag existed: the trainer's layout
-        out_dir = info.data.params.get("train.out_dir", "runs")
-        candidate = Path(out_dir) / info.info.run_name / "checkpoint.pt"
-    if not candidate.is_file():
-        raise ModbenchError(f"MLflow run {run} points to checkpoint {candidate}, which does not exist")
-    return candidate
+    return fetch_checkpoint(tracking_uri, read_record(tracking_uri, run))
 
 
 def load_model(path: Path, device):

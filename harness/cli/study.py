@@ -57,7 +57,8 @@ def status(args) -> int:
         return 0
     print(f"study {name} ({url}): {len(df)} trials — " + ", ".join(f"{k} {v}" for k, v in sorted(by_state.items())))
     if len(df):
-        cols = [c for c in ("number", "state", "arm", "seed", "val_bpb", "flops_per_token", "tokens_per_s") if c in df]
+        cols = [c for c in ("number", "state", "arm", "seed", "val/bpb", "val/causal_bpb", "perf/flops_per_token",
+                               "perf/train_tokens_per_s") if c in df]
         print(df[cols].to_markdown(index=False, floatfmt=".4g"))
     print(f"live dashboard: optuna-dashboard {url}")
     return 0

@@ -45,13 +45,9 @@ def run(args) -> int:
         "run_id": result.run_id,
         "steps": result.steps,
         "tokens": result.tokens,
-        "flops": result.flops,
-        "flops_per_token": result.flops_per_token,
-        "val_bpb": result.val["bpb"],
-        "test_bpb": result.test["bpb"],
-        "tokens_per_s": result.tokens_per_s,
-        "logging_overhead": result.logging_overhead,
-        "checkpoint": str(result.checkpoint),
+        **result.record.metrics,  # the record's declared names: val/bpb, val/causal_bpb, test/bpb, perf/...
+        "perf/logging_overhead": result.logging_overhead,
+        "checkpoint": result.record.checkpoint,
     }
     if args.json or args.quiet:
         print(json.dumps(summary))

@@ -6,7 +6,7 @@
     seeds = [0, 1, 2]            # every arm runs every seed, so statistics compare like with like
     sampler = "grid"             # grid | tpe | nsga2 | random
     pruner = "none"              # none | median | hyperband (single-objective studies only)
-    objectives = ["val_bpb"]     # val_bpb, test_bpb, flops_per_token, tokens_per_s
+    objectives = ["val/bpb"]     # val/bpb, val/causal_bpb, test/bpb, test/causal_bpb, perf/flops_per_token, perf/train_tokens_per_s
     n_trials = 0                 # model-based samplers: arms to sample (each runs every seed)
     timeout_s = 0                # stop starting new trials after this long (0: no limit)
 
@@ -43,12 +43,14 @@ from modbench.config.capacity import check_capacity
 from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.config.io import from_mapping, read_toml
 from modbench.errors import ModbenchError, accepted
+from modbench.results import ALIASES, metric
 from modbench.config.patterns import parse_pattern
 from modbench.config.run import RunConfig, TrainConfig
 
 SAMPLERS = ("grid", "tpe", "nsga2", "random")
 PRUNERS = ("none", "median", "hyperband")
-OBJECTIVES = {"val_bpb": "minimize", "test_bpb": "minimize", "flops_per_token": "minimize", "tokens_per_s": "maximize"}
+# Study objectives are declared metrics of modbench.results (old spellings such as val_bpb are aliases).
+OBJECTIVES = ("val/bpb", "val/causal_bpb", "test/bpb", "test/causal_bpb", "perf/flops_per_token", "perf/train_tokens_per_s")
 SPACE_KEYS = ("variant", "capacity", "pattern", "schedule", "lr_mult", "depth", "budget")
 SPACE_DEFAULTS: dict[str, list[Any]] = {
     "variant": ["dense"], "capacity": [0.125], "pattern": ["alternate"], "schedule": ["constant"],
@@ -64,7 +66,7 @@ class StudySettings:
     seeds: list = field(default_factory=lambda: [0])
     sampler: str = "grid"
     pruner: str = "none"
-    objectives: list = field(default_factory=lambda: ["val_bpb"])
+    objectives: list = field(default_factory=lambda: ["val/bpb"])
     n_trials: int = 0
     timeout_s: float = 0.0
 
@@ -118,7 +120,7 @@ class Study:
 
     @property
     def directions(self) -> list[str]:
-        return [OBJECTIVES[o] for o in self.settings.objectives]
+        return [metric(o).direction for o in self.settings.objectives]
 
     def arms(self) -> list[Arm]:
         """Every distinct arm of a grid (choices only), in a stable order."""
@@ -168,8 +170,10 @@ def load_study(path: str | Path) -> Study:
         raise _fail(p, "study.sampler", f"{settings.sampler!r} is unknown: expected {accepted(SAMPLERS)}")
     if settings.pruner not in PRUNERS:
         raise _fail(p, "study.pruner", f"{settings.pruner!r} is unknown: expected {accepted(PRUNERS)}")
-    if not settings.objectives or any(o not in OBJECTIVES for o in settings.objectives):
+    if not isinstance(settings.objectives, list) or not settings.objectives or any(
+            ALIASES.get(o, o) not in OBJECTIVES for o in settings.objectives):
         raise _fail(p, "study.objectives", f"{settings.objectives!r}: expected a non-empty list of {accepted(list(OBJECTIVES))}")
+    settings = replace(settings, objectives=[ALIASES.get(o, o) for o in settings.objectives])
     if len(set(settings.objectives)) != len(settings.objectives):
         raise _fail(p, "study.objectives", "lists an objective twice")
     multi = len(settings.objectives) > 1

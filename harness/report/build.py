@@ -13,6 +13,7 @@ import math
 import platform
 import shlex
 import shutil
+import tempfile
 import sys
 from pathlib import Path
 
@@ -45,11 +46,12 @@ def arm_table(data: ReportData) -> pd.DataFrame:
     done = data.done
     if done.empty:
         return pd.DataFrame()
-    summary = summarize(done, "val_bpb", by="arm", ci=0.95, method="t")
+    summary = summarize(done, "val/bpb", by="arm", ci=0.95, method="t")
     extra = done.groupby("arm").agg(variant=("variant", "first"), capacity=("capacity", "first"), group=("group", "first"),
-                                    flops_per_token=("flops_per_token", "mean"), tokens_per_s=("tokens_per_s", "max"),
-                                    slowest_tokens_per_s=("tokens_per_s", "min"),
-                                    steps=("steps", "mean"), test_bpb=("test_bpb", "mean"))
+                                    flops_per_token=("perf/flops_per_token", "mean"),
+                                    tokens_per_s=("perf/train_tokens_per_s", "max"),
+                                    slowest_tokens_per_s=("perf/train_tokens_per_s", "min"),
+                                    steps=("steps", "mean"), test_bpb=("test/bpb", "mean"))
     # Other processes can only slow a run down, so the fastest seed is the least disturbed
     # measurement of an arm's speed (as pytest-benchmark takes the minimum time); the spread
     # between its fastest and slowest seed shows how quiet the machine was.
@@ -68,7 +70,7 @@ def comparisons(data: ReportData, arms: pd.DataFrame) -> tuple[pd.DataFrame, lis
         if len(dense) == 0:
             notes.append(f"group {group}: no dense baseline in this study, so no comparison against dense is possible")
             continue
-        c = compare_to_baseline(g, "val_bpb", baseline=dense[0], by="arm", alpha=ALPHA, correction="holm")
+        c = compare_to_baseline(g, "val/bpb", baseline=dense[0], by="arm", alpha=ALPHA, correction="holm")
         c["group"] = group
         frames.append(c)
     if not frames:
@@ -174,7 +176,7 @@ def build_report(study_path: str | Path, *, uri: str, storage: str | None = None
               "can only slow a run down); FLOPs are analytic (see harness/flops.py).", "",
               "![throughput](throughput.png)", ""] + _throughput_caveat(arms)
     lines += _causal_section(data)
-    lines += _routing_section(data, dest, Path(out_dir) / study.name / "trials", progress)
+    lines += _routing_section(data, dest, uri, progress)
     return _finish(lines, data, dest, study_path, command)
 
 
@@ -204,8 +206,24 @@ def _causal_section(data: ReportData) -> list[str]:
             "top-k leak rate (how often future tokens change a past routing decision).", "", md_table(t), ""]
 
 
-def _routing_section(data: ReportData, dest: Path, trials_dir: Path, progress: bool = False) -> list[str]:
+def _copy_heatmap(uri: str, run_id: str, dest: Path) -> None:
+    """The first routed arm's routing heatmap artifact, as the report's figure."""
+    import mlflow.artifacts
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="routing_heatmap.png",
+                                                        dst_path=tmp, tracking_uri=uri)
+            shutil.copy(local, dest / "routing_heatmap.png")
+    except Exception:  # an older run without the artifact: the report goes on without the figure
+        return
+
+
+def _routing_section(data: ReportData, dest: Path, uri: str, progress: bool = False) -> list[str]:
+    """Routing measured on each arm's first-seed checkpoint, fetched from the trial's MLflow run."""
     from tqdm.auto import tqdm
+
+    from modbench.track.records import fetch_checkpoint, read_record
 
     routed = data.done[data.done.variant != "dense"].sort_values("seed")
     if routed.empty:
@@ -213,17 +231,18 @@ def _routing_section(data: ReportData, dest: Path, trials_dir: Path, progress: b
     positions, classes, overlaps = [], [], []
     arms = routed.groupby("arm")
     for arm, g in tqdm(arms, total=arms.ngroups, desc="routing analysis", unit="arm", disable=not progress):
-        ckpt = trials_dir / f"trial-{int(g.iloc[0]['number'])}" / "checkpoint.pt"
-        if not ckpt.is_file():
+        run_id = g.iloc[0].get("mlflow_run_id")
+        record = read_record(uri, run_id) if isinstance(run_id, str) else None
+        if record is None or not record.checkpoint:
             continue
-        res = analyse(ckpt)
+        with tempfile.TemporaryDirectory() as tmp:
+            res = analyse(fetch_checkpoint(uri, record, Path(tmp)))
         positions.append(res["positions"].assign(arm=arm))
         classes.append(res["classes"].assign(arm=arm))
         if len(res["overlap"]):
             overlaps.append({"arm": arm, "mean Jaccard between routed layers": res["overlap"]["jaccard"].mean()})
-        heat = trials_dir / f"trial-{int(g.iloc[0]['number'])}" / "routing_heatmap.png"
-        if heat.is_file() and not (dest / "routing_heatmap.png").exists():
-            shutil.copy(heat, dest / "routing_heatmap.png")
+        if not (dest / "routing_heatmap.png").exists():
+            _copy_heatmap(uri, record.run_id, dest)
     if not positions:
         return ["## Routing", "", "No trial checkpoints were found, so routing could not be analysed.", ""]
     pos = pd.concat(positions)

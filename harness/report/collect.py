@@ -30,7 +30,7 @@ class ReportData:
     storage: str
     trials: pd.DataFrame  # every trial, any state
     done: pd.DataFrame  # COMPLETE trials with arm/group labels and final metrics
-    curves: pd.DataFrame  # arm, seed, step, flops, val_bpb
+    curves: pd.DataFrame  # arm, seed, step, flops, val/bpb
     tags: dict[str, str] = field(default_factory=dict)
 
 
@@ -88,6 +88,6 @@ def _from_mlflow(done: pd.DataFrame, experiment: str, uri: str, progress: bool =
         fpt = run.data.metrics.get("perf/flops_per_token")
         tokens_per_step = float(run.data.params.get("budget.tokens_per_step", "nan"))
         for m in client.get_metric_history(run_id, "val/bpb"):
-            rows.append({"arm": trial["arm"], "seed": trial["seed"], "step": m.step, "val_bpb": m.value,
-                         "flops": m.step * tokens_per_step * (fpt or trial["flops_per_token"])})
-    return pd.DataFrame(rows, columns=["arm", "seed", "step", "flops", "val_bpb"]), tags
+            rows.append({"arm": trial["arm"], "seed": trial["seed"], "step": m.step, "val/bpb": m.value,
+                         "flops": m.step * tokens_per_step * (fpt or trial["perf/flops_per_token"])})
+    return pd.DataFrame(rows, columns=["arm", "seed", "step", "flops", "val/bpb"]), tags

@@ -34,7 +34,7 @@ def validation_curves(curves: pd.DataFrame, path: Path) -> Path:
     ax = fig.add_subplot()
     colors = _colors(list(curves.arm.unique()))
     for arm, g in curves.groupby("arm"):
-        agg = g.groupby("step").agg(flops=("flops", "mean"), mean=("val_bpb", "mean"), std=("val_bpb", "std"), n=("val_bpb", "size"))
+        agg = g.groupby("step").agg(flops=("flops", "mean"), mean=("val/bpb", "mean"), std=("val/bpb", "std"), n=("val/bpb", "size"))
         ax.plot(agg.flops, agg["mean"], label=arm, color=colors[arm], lw=1.5)
         ok = agg.n > 1
         if ok.any():

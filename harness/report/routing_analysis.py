@@ -17,6 +17,7 @@ import torch
 from modbench.data import eval_windows, load_corpus
 from modbench.model.gpt import GPT
 from modbench.config.run import RunConfig
+from modbench.track.checkpoint import load_checkpoint
 
 BYTE_CLASSES = {
     "letter": lambda b: ((b >= 65) & (b <= 90)) | ((b >= 97) & (b <= 122)),
@@ -30,7 +31,7 @@ N_BUCKETS = 8
 @torch.no_grad()
 def selection_masks(checkpoint: Path, n_windows: int = 16) -> tuple[np.ndarray, list[np.ndarray], RunConfig]:
     """Input bytes (n, T) and one boolean (n, T) mask per routed layer."""
-    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    state = load_checkpoint(checkpoint)
     cfg = RunConfig.from_dict(state["config"], where=str(checkpoint))
     model = GPT(cfg.model, cfg.routing)
     model.load_state_dict(state["model"])

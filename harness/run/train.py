@@ -37,6 +37,8 @@ from modbench.run.causal_eval import calibrate_causal_rules
 from modbench.model.gpt import GPT, RoutedBlock
 from modbench.config.patterns import pattern_string
 from modbench.config.run import RunConfig
+from modbench.results import RunRecord, declared
+from modbench.track.records import CHECKPOINT_ARTIFACT_DIR, CHECKPOINT_TAG
 from modbench.track.tracking import RunTracker
 
 # Dense bf16 tensor-core peaks (FLOP/s) for MFU; unknown devices report no MFU.
@@ -64,6 +66,7 @@ class TrainResult:
     logging_overhead: float
     history: list[dict[str, float]] = field(default_factory=list)
     checkpoint: Path | None = None
+    record: RunRecord | None = None  # the one results record (modbench.results)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -454,20 +457,22 @@ def _finish(run: _Run) -> TrainResult:
                    hard_labels=val_hard, modes=True)
     test_x, test_y, test_hard = _eval_set(run.corpus, "test", t)
     test = evaluate(run.model, test_x, test_y, batch_size=t.batch_size, device=run.device, autocast=run.autocast,
-                    hard_labels=test_hard)
+                    hard_labels=test_hard, modes=True)
     tokens_done = run.step * run.tokens_per_step
     tokens_per_s = (run.step - run.start_step) * run.tokens_per_step / max(run.train_seconds, 1e-9)
     wall = time.perf_counter() - run.run_start - run.elapsed_before
     overhead = run.tracker.seconds / max(wall, 1e-9)
     final = {**{f"val/{k}": v for k, v in val.items()}, **{f"test/{k}": v for k, v in test.items()},
              "perf/train_tokens_per_s": tokens_per_s, "perf/logging_overhead": overhead,
-             "perf/total_flops": tokens_done * run.flops_per_token}
+             "perf/total_flops": tokens_done * run.flops_per_token, "perf/flops_per_token": run.flops_per_token}
     run.tracker.log_metrics(final, run.step)
     _log_heatmap(run.model, val_x, run.device, run.tracker, run.run_dir, run.routed_ids)
     _save(run)
-    run.tracker.set_tags({"checkpoint": str(run.ckpt_path.resolve())})  # `modbench generate --run <id>` finds it here
+    checkpoint = _publish_checkpoint(run)
     run.tracker.flush()
-    return TrainResult(
+    record = RunRecord(run.tracker.run_id, "FINISHED", run.cfg.to_dict(), declared(final), run.step, tokens_done,
+                       checkpoint)
+    return TrainResult(record=record, 
         run_id=run.tracker.run_id, steps=run.step, tokens=tokens_done, flops=tokens_done * run.flops_per_token,
         flops_per_token=run.flops_per_token, val=val, test=test, tokens_per_s=tokens_per_s, logging_overhead=overhead,
         history=run.history, checkpoint=run.ckpt_path,
@@ -495,6 +500,17 @@ def _eval_set(corpus: Corpus, split: str, t) -> tuple[torch.Tensor, torch.Tensor
         return x, y, hard_y
     x, y = eval_windows(corpus.split(split), t.seq_len, t.eval_windows)
     return x, y, None
+
+
+def _publish_checkpoint(run: _Run) -> str:
+    """Where the record says the checkpoint is: the run's MLflow artifact (so `report` and
+    `generate` find it from any machine with the tracking server), or the local file untracked."""
+    if run.tracker.run_id is None:
+        return str(run.ckpt_path.resolve())
+    run.tracker.log_artifact(run.ckpt_path, CHECKPOINT_ARTIFACT_DIR)
+    artifact = f"{CHECKPOINT_ARTIFACT_DIR}/{run.ckpt_path.name}"
+    run.tracker.set_tags({CHECKPOINT_TAG: artifact})
+    return artifact
 
 
 def _save(run: _Run) -> None:

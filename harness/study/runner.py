@@ -30,6 +30,7 @@ import optuna
 from optuna.trial import TrialState
 
 from modbench.errors import ModbenchError
+from modbench.results import RunRecord
 from modbench.config.study import Arm, Range, Study, canonical_arm, load_study
 from modbench.track.optuna_store import connect_storage, default_storage, hide_password, study_dir
 from modbench.track.tracking import Tracker, fail_stale_runs
@@ -108,14 +109,9 @@ def suggest_arm(trial: optuna.Trial, study: Study) -> Arm:
     return canonical_arm(variant, capacity, pattern, schedule, pick("lr_mult"), pick("depth"), pick("budget"))
 
 
-def objective_values(study: Study, result) -> list[float]:
-    source = {
-        "val_bpb": result.val["bpb"],
-        "test_bpb": result.test["bpb"],
-        "flops_per_token": result.flops_per_token,
-        "tokens_per_s": result.tokens_per_s,
-    }
-    return [source[o] for o in study.settings.objectives]
+def objective_values(study: Study, record: RunRecord) -> list[float]:
+    """The study's objectives, read from the run's record by their declared names."""
+    return [record.value(o) for o in study.settings.objectives]
 
 
 class Runner:
@@ -145,6 +141,9 @@ class Runner:
         if created:
             study.set_user_attr("study_file_sha256", s.file_sha256)
             study.set_user_attr("objectives", s.settings.objectives)
+            with warnings.catch_warnings():  # experimental in Optuna 5
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                study.set_metric_names(list(s.settings.objectives))  # the dashboard shows val/bpb, not "Objective 0"
             parent = Tracker(s.name, run_name=f"study {s.name}", tags={"modbench.study": s.name, "modbench.role": "study"},
                              uri=self.tracking_uri).start()
             parent.log_params({"study.file": str(s.path), "study.sampler": s.settings.sampler, "study.pruner": s.settings.pruner,
@@ -208,7 +207,7 @@ class Runner:
         def report(step: int, val: dict[str, float]) -> None:
             if multi or s.settings.pruner == "none":
                 return
-            trial.report(val["bpb"], step)
+            trial.report(val["bpb"], step)  # intermediate values of the first objective's family, val/bpb
             if trial.should_prune():
                 raise optuna.TrialPruned(f"pruned at step {step} (val bpb {val['bpb']:.4f})")
 
@@ -225,11 +224,9 @@ class Runner:
             except Exception:
                 tracker.set_tags({"optuna.state": "FAIL"})
                 raise
-            values = objective_values(s, result)
-            tracker.log_metrics({f"objective/{o}": v for o, v in zip(s.settings.objectives, values)}, result.steps)
+            values = objective_values(s, result.record)
             tracker.set_tags({"optuna.state": "COMPLETE"})
-        for k, v in (("val_bpb", result.val["bpb"]), ("test_bpb", result.test["bpb"]), ("flops_per_token", result.flops_per_token),
-                     ("tokens_per_s", result.tokens_per_s), ("steps", result.steps)):
+        for k, v in {**result.record.metrics, "steps": result.steps}.items():  # the record's names, as MLflow has them
             trial.set_user_attr(k, v)
         if any(not math.isfinite(v) for v in values):
             raise ModbenchError(f"trial {trial.number} produced a non-finite objective {values}")

@@ -1,7 +1,9 @@
 """Checkpoints that resume a run exactly: weights, optimizer, step, RNG states, run id.
 
 Written atomically (temp file + rename) so a run killed mid-save never leaves a checkpoint
-that loads but is half-written.
+that loads but is half-written. Read with ``torch.load(weights_only=True)``: a checkpoint is
+tensors, numbers, strings and containers, so a crafted file (a pickle that would run code,
+from a shared disk or a tracking server anyone can tag) is refused instead of executed.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ModbenchError(f"no checkpoint at {path}: run without --resume first, or check --out-dir/--run-name")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ModbenchError(f"checkpoint {path} cannot be read ({type(e).__name__}): delete it and start again") from None
+        raise ModbenchError(f"checkpoint {path} cannot be read as a modbench checkpoint ({type(e).__name__}); "
+                            "only plain tensors and values are loaded, never code: use a checkpoint modbench wrote") from None

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import optuna
 
-from modbench.config.study import OBJECTIVES, Study
+from modbench.config.study import Study
 from modbench.errors import ModbenchError
+from modbench.results import METRICS
 
 
 def study_dir(study: Study, out_dir: str | Path) -> Path:
@@ -53,13 +54,13 @@ def trials_frame(name: str, storage: str):
     except KeyError:
         raise ModbenchError(f"no study named {name!r} in {hide_password(storage)}: run 'modbench study run "
                             "<study file>' first, or pass the --storage it ran on") from None
-    columns = ["number", "state", "arm", "seed", *OBJECTIVES, "steps", "mlflow_run_id", "worker"]
+    columns = ["number", "state", "arm", "seed", *METRICS, "steps", "mlflow_run_id", "worker"]
     rows = []
     for t in study.get_trials(deepcopy=False):
         if t.user_attrs.get("surplus"):
             continue
         row = {"number": t.number, "state": t.state.name, "arm": t.user_attrs.get("arm"), "seed": t.user_attrs.get("seed")}
         row.update({k: v for k, v in t.params.items()})
-        row.update({k: t.user_attrs.get(k) for k in (*OBJECTIVES, "steps", "mlflow_run_id", "worker")})
+        row.update({k: t.user_attrs.get(k) for k in (*METRICS, "steps", "mlflow_run_id", "worker")})
         rows.append(row)
     return pd.DataFrame(rows, columns=list(dict.fromkeys(columns + [k for r in rows for k in r])))
