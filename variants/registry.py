@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import importlib.metadata
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -30,6 +31,23 @@ class VariantSpec:
     config_cls: type[VariantConfig]
     source: str
     summary: str
+
+    @property
+    def scope(self) -> str:
+        """The routers' scope ("block", "mlp" or "none"), from the builder's return annotation
+        (every built-in builder has one) or, for an unannotated plugin, from one probe router
+        built once under a forked RNG (it must not shift the initialisation)."""
+        if self.name not in _SCOPES:
+            hints = typing.get_type_hints(self.builder)
+            ret = hints.get("return")
+            if isinstance(ret, type) and issubclass(ret, Router):
+                _SCOPES[self.name] = ret.scope
+            else:
+                import torch
+
+                with torch.random.fork_rng(devices=[]):
+                    _SCOPES[self.name] = self.build(8).scope
+        return _SCOPES[self.name]
 
     def make_config(self, options: Mapping[str, Any] | None = None) -> VariantConfig:
         options = dict(options or {})
@@ -50,6 +68,7 @@ class VariantSpec:
 
 
 _REGISTRY: dict[str, VariantSpec] = {}
+_SCOPES: dict[str, str] = {}
 _plugins_loaded = False
 
 

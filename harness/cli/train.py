@@ -24,6 +24,10 @@ def run(args) -> int:
     main = distributed.is_main()
     try:
         cfg = config_from_args(args)
+        if args.print_config:
+            if main:
+                print(cfg.to_toml(), end="")
+            return 0
         if main and not args.quiet:
             print(f"modbench train: {describe(cfg.model, cfg.routing)}")
             print(cfg.to_json())
@@ -66,6 +70,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train one model (FLOP/token/step/time budget), tracked in MLflow")
     add_config_flags(p)
     add_tracking_flag(p)
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config as TOML (what --config reads back) and exit without training")
     p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bar; print one JSON summary line")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")

@@ -34,6 +34,8 @@ class Budget:
             raise ModbenchError(f"budget {text!r} has no valid amount: expected {FORM}") from None
         if not amount > 0 or math.isinf(amount):
             raise ModbenchError(f"budget {text!r} must be positive and finite: expected {FORM}")
+        if m[1] == "steps" and amount < 1:
+            raise ModbenchError(f"budget {text!r} is smaller than one training step: expected steps=N with N >= 1")
         return cls(m[1], amount)
 
     def steps(self, tokens_per_step: int, flops_per_step: float) -> int | None:

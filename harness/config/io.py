@@ -12,7 +12,7 @@ import math
 import tomllib
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import fields
+from dataclasses import field, fields
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,38 @@ def from_mapping(cls: type, table: Mapping[str, Any], where: str, base: Any = No
         raise ModbenchError(f"{where}: {e}") from None
     except (TypeError, ValueError) as e:
         raise ModbenchError(f"{where}: {e}") from None
+
+
+def bounded(default: Any, low: float, high: float, *, low_open: bool = False, high_open: bool = False):
+    """A dataclass field with its accepted range: the one place a bound is written.
+
+    ``check_bounds`` enforces it on every instance; the message names the field and the range.
+    """
+    return field(default=default, metadata={"range": (low, high, low_open, high_open)})
+
+
+def _range_text(tp: Any, low: float, high: float, low_open: bool, high_open: bool) -> str:
+    integer = tp is int or int in typing.get_args(tp)
+    show = (lambda v: str(int(v))) if integer else (lambda v: f"{v:g}")
+    kind = "an integer" if integer else "a number"
+    return f"{kind} in {'(' if low_open else '['}{show(low)}, {show(high)}{')' if high_open else ']'}"
+
+
+def check_bounds(instance: Any, section: str) -> None:
+    """Every field with a ``bounded`` range lies in it (None passes for optional overrides)."""
+    hints = typing.get_type_hints(type(instance))
+    for f in fields(instance):
+        if "range" not in f.metadata:
+            continue
+        value = getattr(instance, f.name)
+        if value is None:
+            continue
+        low, high, low_open, high_open = f.metadata["range"]
+        below = value <= low if low_open else value < low
+        above = value >= high if high_open else value > high
+        if below or above or (isinstance(value, float) and math.isnan(value)):
+            raise ModbenchError(f"{section}.{f.name} = {value!r} is out of range: expected "
+                                f"{_range_text(hints[f.name], low, high, low_open, high_open)}")
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from modbench.config.capacity import CapacitySchedule
+from modbench.config.io import bounded, check_bounds
 from modbench.errors import ModbenchError
 from modbench.config.patterns import parse_pattern, pattern_string
 
@@ -36,21 +37,23 @@ def wd_scale(depth: int) -> float:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    depth: int = 4
-    aspect_ratio: int = 64
-    head_dim: int = 64
-    n_layer: int | None = None  # overrides depth
-    n_embd: int | None = None  # overrides depth × aspect_ratio
-    n_head: int | None = None  # overrides n_embd / head_dim
-    vocab_size: int = 256
-    max_seq_len: int = 1024
-    mlp_ratio: int = 4
-    rope_base: float = 10000.0
+    depth: int = bounded(4, 1, 256)
+    aspect_ratio: int = bounded(64, 1, 4096)
+    head_dim: int = bounded(64, 2, 1024)
+    n_layer: int | None = bounded(None, 1, 256)  # overrides depth
+    n_embd: int | None = bounded(None, 2, 65536)  # overrides depth × aspect_ratio
+    n_head: int | None = bounded(None, 1, 1024)  # overrides n_embd / head_dim
+    vocab_size: int = bounded(256, 256, 1 << 20)  # the data are bytes: at least 256
+    max_seq_len: int = bounded(1024, 1, 1 << 17)
+    mlp_ratio: int = bounded(4, 1, 64)
+    rope_base: float = bounded(10000.0, 1.0, 1e12, low_open=True)
 
     def __post_init__(self) -> None:
-        for name in ("depth", "aspect_ratio", "head_dim", "vocab_size", "max_seq_len", "mlp_ratio"):
-            if getattr(self, name) < 1:
-                raise ModbenchError(f"model.{name} must be a positive integer, got {getattr(self, name)}")
+        check_bounds(self, "model")
+        if self.width > 65536:
+            raise ModbenchError(f"model width {self.width} (depth × aspect_ratio) is out of range: expected at most 65536")
+        if self.heads > self.width:
+            raise ModbenchError(f"model.n_head {self.heads} exceeds the width {self.width}: expected at most {self.width}")
         if self.width % self.heads:
             raise ModbenchError(f"model.n_embd {self.width} is not divisible by n_head {self.heads}")
         if (self.width // self.heads) % 2:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -20,33 +21,35 @@ from modbench import variants
 from modbench.config.budget import Budget
 from modbench.config.capacity import check_capacity
 from modbench.config.model import ModelConfig, RoutingConfig
-from modbench.config.io import from_mapping, parse_literal, read_toml
+from modbench.config.io import bounded, check_bounds, from_mapping, parse_literal, read_toml
 from modbench.data import check_dataset
 from modbench.errors import ModbenchError, accepted
 
 DEVICES = ("auto", "cpu", "cuda")
+MAX_NAME = 100
+NAME_CHARS = re.compile(r"[A-Za-z0-9 _.=+,:-]*")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     dataset: str = "stdlib"
-    seq_len: int = 256
-    batch_size: int = 16
-    grad_accum: int = 1
+    seq_len: int = bounded(256, 1, 1 << 17)
+    batch_size: int = bounded(16, 1, 1 << 16)
+    grad_accum: int = bounded(1, 1, 4096)
     budget: str = "flops=1e13"
-    lr: float = 1e-3  # at n_embd = 768; scaled by (n_embd/768)^-0.5 when scale_hparams
-    weight_decay: float = 0.1  # at depth 12; scaled by (12/depth)^2 when scale_hparams
-    scale_hparams: bool = True  # seed 004's depth-based LR / WD scaling
-    min_lr_ratio: float = 0.1
-    warmup_frac: float = 0.05
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    eval_every: int = 50
-    eval_windows: int = 32
-    log_every: int = 10
-    checkpoint_every: int = 0  # 0: only at the end
-    seed: int = 0
+    lr: float = bounded(1e-3, 0.0, 10.0, low_open=True)  # at n_embd = 768; scaled by (n_embd/768)^-0.5 when scale_hparams
+    weight_decay: float = bounded(0.1, 0.0, 100.0)  # at depth 12; scaled by (12/depth)^2 when scale_hparams
+    scale_hparams: bool = True  # nanochat's depth-based LR / WD scaling
+    min_lr_ratio: float = bounded(0.1, 0.0, 1.0)
+    warmup_frac: float = bounded(0.05, 0.0, 1.0, high_open=True)
+    beta1: float = bounded(0.9, 0.0, 1.0, high_open=True)
+    beta2: float = bounded(0.95, 0.0, 1.0, high_open=True)
+    grad_clip: float = bounded(1.0, 0.0, 1e9, low_open=True)
+    eval_every: int = bounded(50, 1, 1 << 40)
+    eval_windows: int = bounded(32, 1, 1 << 20)
+    log_every: int = bounded(10, 1, 1 << 40)
+    checkpoint_every: int = bounded(0, 0, 1 << 40)  # 0: only at the end
+    seed: int = bounded(0, 0, 2**32 - 1)
     device: str = "auto"
     compile: bool = False
     out_dir: str = "runs"
@@ -55,19 +58,17 @@ class TrainConfig:
     track: bool = True
 
     def __post_init__(self) -> None:
-        check_dataset(self.dataset)
+        # Checks of the values alone: nothing here reads a file or loads a plugin (see load_run).
+        check_bounds(self, "train")
         Budget.parse(self.budget)
-        for name in ("seq_len", "batch_size", "grad_accum", "eval_windows", "log_every", "eval_every"):
-            if getattr(self, name) < 1:
-                raise ModbenchError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        if self.checkpoint_every < 0:
-            raise ModbenchError(f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
-        if not self.lr > 0:
-            raise ModbenchError(f"train.lr must be > 0, got {self.lr}")
         if self.device not in DEVICES:
             raise ModbenchError(f"train.device {self.device!r} is unknown: expected {accepted(DEVICES)}")
-        if not 0 <= self.warmup_frac < 1 or not 0 <= self.min_lr_ratio <= 1:
-            raise ModbenchError("train.warmup_frac must be in [0, 1) and train.min_lr_ratio in [0, 1]")
+        for name in ("experiment", "run_name"):
+            value = getattr(self, name)
+            if len(value) > MAX_NAME or (name == "experiment" and not value.strip()) or not NAME_CHARS.fullmatch(value):
+                raise ModbenchError(f"train.{name} = {value[:40]!r} is not accepted: expected "
+                                    f"{'a non-empty' if name == 'experiment' else 'a'} name of at most {MAX_NAME} "
+                                    "letters, digits, spaces and '-', '_', '.', '=' (no path separators)")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,8 +81,6 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
-        spec = variants.get_variant(self.routing.variant)
-        spec.make_config(self.routing.options)
         check_capacity(self.routing.capacity)
         self.routing.capacity_schedule(self.model.max_seq_len)
         self.routing.routed_layers(self.model.layers)
@@ -98,6 +97,16 @@ class RunConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_toml_dict(), indent=2, sort_keys=True)
+
+    def to_toml(self) -> str:
+        """The config as a TOML file that ``--config`` reads back to an equal config (``None``
+        overrides, which TOML cannot spell, are left out: absent means the same)."""
+        import tomli_w
+
+        def drop_none(d: dict) -> dict:
+            return {k: drop_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
+
+        return tomli_w.dumps(drop_none(self.to_toml_dict()))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "config") -> "RunConfig":
@@ -136,7 +145,22 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                         help="a field of the variant's own config, e.g. --option aux_weight=0.1 (repeatable)")
 
 
+def load_run(cfg: RunConfig) -> RunConfig:
+    """The one loader's last step, for a config that is about to train: the checks that look
+    outside the values (the dataset exists, the variant is registered and takes these
+    options). Flags, ``--config`` files and study trials all pass through here, once."""
+    check_dataset(cfg.train.dataset)
+    variants.get_variant(cfg.routing.variant).make_config(cfg.routing.options)
+    t = cfg.train
+    budget, per_step = Budget.parse(t.budget), t.batch_size * t.seq_len * t.grad_accum
+    if budget.kind == "tokens" and budget.amount < per_step:
+        raise ModbenchError(f"budget {t.budget!r} is smaller than one training step ({per_step} tokens = batch_size × "
+                            "seq_len × grad_accum): raise the budget or shrink the batch")
+    return cfg
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """Defaults < ``--config`` file < flags, validated once (``load_run``)."""
     base = RunConfig.from_dict(read_toml(args.config), where=args.config) if args.config else None
     data: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     for section, cls in SECTIONS.items():
@@ -160,7 +184,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                         label=lambda key: "--" + key.replace("_", "-"))
         for s, cls in SECTIONS.items()
     }
-    return RunConfig(**sections)
+    return load_run(RunConfig(**sections))
 
 
 def save_config(cfg: RunConfig, path: Path) -> None:

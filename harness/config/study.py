@@ -40,12 +40,13 @@ from modbench import variants
 
 from modbench.config.budget import Budget
 from modbench.config.capacity import check_capacity
-from modbench.config.model import ModelConfig, RoutingConfig
+from modbench.config.model import RoutingConfig
 from modbench.config.io import from_mapping, read_toml
 from modbench.errors import ModbenchError, accepted
 from modbench.results import ALIASES, metric
 from modbench.config.patterns import parse_pattern
-from modbench.config.run import RunConfig, TrainConfig
+from modbench.config.run import RunConfig, load_run
+from modbench.data import check_dataset
 
 SAMPLERS = ("grid", "tpe", "nsga2", "random")
 PRUNERS = ("none", "median", "hyperband")
@@ -190,6 +191,10 @@ def load_study(path: str | Path) -> Study:
         raise _fail(p, "study", "n_trials and timeout_s must be >= 0")
 
     base = RunConfig.from_dict({"model": raw.get("model", {}), "train": raw.get("train", {})}, where=str(p))
+    try:
+        check_dataset(base.train.dataset)  # once, at load (the dataclasses never touch files)
+    except ModbenchError as e:
+        raise _fail(p, "train.dataset", str(e)) from None
     options_raw = raw.get("options", {})
     if not isinstance(options_raw, dict):
         raise _fail(p, "options", "expected tables such as [options.sigmoid]")
@@ -226,9 +231,9 @@ def load_study(path: str | Path) -> Study:
     digest = hashlib.sha256(p.read_bytes()).hexdigest()
     study = Study(p, settings, base, options, space, digest)
     if settings.sampler == "grid":
-        for arm in study.arms():  # build every arm's config once: bad combinations fail now
+        for arm in study.arms():  # build every arm's config once, through the one loader: bad ones fail now
             try:
-                study.run_config(arm, seeds[0])
+                load_run(study.run_config(arm, seeds[0]))
             except ModbenchError as e:
                 raise _fail(p, "space", f"arm {arm.label!r}: {e}") from None
     return study

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from modbench.variants import Router, build_router
+from modbench.variants import Router, get_variant
 
 from modbench.model import flops as flop_math
 from modbench.config.capacity import CapacitySchedule
@@ -242,10 +242,10 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.routing = routing or RoutingConfig(variant="dense", capacity=1.0)
         schedule = self.routing.capacity_schedule(cfg.max_seq_len)
-        with torch.random.fork_rng(devices=[]):  # the probe must not shift the init RNG
-            probe = build_router(self.routing.variant, cfg.width, self.routing.options)
+        spec = get_variant(self.routing.variant)  # one registry lookup and one config per model
+        variant_config = spec.make_config(self.routing.options)
         self.routed_flags = self.routing.routed_layers(cfg.layers)
-        if probe.scope == "none" or schedule.is_dense:
+        if spec.scope == "none" or schedule.is_dense:
             self.routed_flags = tuple(False for _ in self.routed_flags)
         self.schedule = schedule
 
@@ -253,7 +253,7 @@ class GPT(nn.Module):
         layers = []
         for routed in self.routed_flags:
             if routed:
-                router = build_router(self.routing.variant, cfg.width, self.routing.options)
+                router = spec.builder(cfg.width, variant_config)
                 layers.append(RoutedBlock(cfg, router, schedule))
             else:
                 layers.append(DenseLayer(cfg))
