@@ -240,15 +240,19 @@ def test_training_logs_the_gaps_and_cli_generates_from_the_run(tmp_cwd, capsys, 
     client = MlflowClient(f"sqlite:///{tmp_cwd}/mlflow.db")
     run = client.get_run(result.run_id)
     assert run.data.metrics["val/causal_gap"] == pytest.approx(result.val["causal_gap"])
-    assert run.data.tags["checkpoint"] == str(result.checkpoint.resolve())
+    assert run.data.tags["modbench.checkpoint"] == result.record.checkpoint == "checkpoint/checkpoint.pt"
 
     for ref in (str(result.checkpoint), result.run_id):
+        if ref == result.run_id:  # from the run id alone: the artifact is fetched, no local file needed
+            saved = result.checkpoint.read_bytes()
+            result.checkpoint.unlink()
         rc = main(["generate", "--run", ref, "--prompt", "12+", "--max-new-tokens", "6", "--batch", "2", "--json"])
         assert rc == 0
         out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert len(out["texts"]) == 2 and [len(b) for b in out["new_bytes"]] == [6, 6]
         assert out["tokens_per_s"] > 0 and out["dense_tokens_per_s"] > 0
         assert 0.0 <= out["skipped_fraction"] <= 1.0
+    result.checkpoint.write_bytes(saved)
 
     rc = main(["generate", "--run", str(result.checkpoint), "--prompt", "7*", "--max-new-tokens", "5", "--greedy"])
     lines = capsys.readouterr().out.strip().splitlines()

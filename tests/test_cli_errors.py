@@ -29,7 +29,7 @@ CASES = [
     (["train", "--capacity", "1.5"], "capacity 1.5 is out of range: expected a fraction in (0, 1]"),
     (["train", "--variant", "nrm"], "unknown variant 'nrm' (did you mean 'norm'?): registered variants are"),
     (["train", "--pattern", "xyz"], "layer pattern 'xyz' is not understood: expected 'alternate'"),
-    (["train", "--batch-size", "0"], "train.batch_size must be >= 1, got 0"),
+    (["train", "--batch-size", "0"], "train.batch_size = 0 is out of range: expected an integer in [1, 65536]"),
     (["train", "--budget", "flops=abc"], "budget 'flops=abc' is not understood: expected 'steps=N'"),
     (["train", "--lr", "nan"], "--lr is NaN: expected a number"),
     (["train", "--depth", "x"], "--depth = 'x' has the wrong type: expected an integer"),

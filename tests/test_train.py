@@ -208,11 +208,11 @@ def test_checksum_mismatch_is_refused_before_anything_is_written(tmp_cwd, monkey
 def test_a_per_step_metric_is_one_registered_function(tmp_cwd, monkeypatch):
     """Adding a per-step metric: one function decorated with ``step_metric``; it is logged
     every log_every steps beside the built-in ones, with the logging window it is given."""
-    from modbench.run import train as train_module
+    from modbench.run import step_metrics
 
-    monkeypatch.setattr(train_module, "STEP_METRICS", list(train_module.STEP_METRICS))
+    monkeypatch.setattr(step_metrics, "STEP_METRICS", list(step_metrics.STEP_METRICS))
 
-    @train_module.step_metric
+    @step_metrics.step_metric
     def steps_in_window(run, window):
         return {"test/window_steps": float(window.steps), "test/step": float(run.step)}
 

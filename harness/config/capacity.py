@@ -1,7 +1,7 @@
 """How many tokens a routed layer processes.
 
 *capacity* C ∈ (0, 1] is the fraction of tokens processed at a routed layer. With a constant
-schedule k = ⌊C·T⌋; with the log-scaled schedule of seed 000 (nanochat) the effective
+schedule k = ⌊C·T⌋; with the log-scaled schedule of the nanochat fork's MoD documentation the effective
 capacity falls from 1 at T = 1 to C at T = max_T:
 
     C_eff(T) = 1 − (ln T / ln max_T) · (1 − C)

@@ -1,6 +1,6 @@
 """Model and routing configs: small frozen dataclasses that flatten for MLflow.
 
-Depth parameterisation (seed 004, after nanochat): one number sets the shape,
+Depth parameterisation (nanochat's, karpathy/nanochat): one number sets the shape,
 
     n_layer = depth
     n_embd  = round_up(depth · aspect_ratio, head_dim)
@@ -26,12 +26,12 @@ def round_up(x: int, multiple: int) -> int:
 
 
 def lr_scale(n_embd: int) -> float:
-    """Seed 004: learning rate ∝ 1/√n_embd, tuned at n_embd = 768."""
+    """nanochat (karpathy/nanochat): learning rate ∝ 1/√n_embd, tuned at n_embd = 768."""
     return (n_embd / 768) ** -0.5
 
 
 def wd_scale(depth: int) -> float:
-    """Seed 004: weight decay ∝ 1/depth², tuned at depth = 12."""
+    """nanochat (karpathy/nanochat): weight decay ∝ 1/depth², tuned at depth = 12."""
     return (12 / depth) ** 2
 
 
@@ -83,7 +83,7 @@ class ModelConfig:
 class RoutingConfig:
     variant: str = "dense"
     capacity: float = 0.125
-    schedule: str = "constant"  # 'constant' | 'log' (seed 000's log-scaled capacity)
+    schedule: str = "constant"  # 'constant' | 'log' (the log-scaled capacity of the nanochat fork's MoD docs)
     pattern: str = "alternate"
     options: dict[str, Any] = field(default_factory=dict)  # the variant's own config fields
 

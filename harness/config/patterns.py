@@ -1,7 +1,7 @@
 """Which layers are routed, as a short validated string (after nanochat's "SSSL").
 
     alternate     D M D M …  (Raposo et al. 2024 §3.4: routing every other block)
-    fixed:S,E     first S and last E layers dense, all others routed (seed 000: fixed:5,1)
+    fixed:S,E     first S and last E layers dense, all others routed (the nanochat fork's MoD: fixed:5,1)
     every:K       every K-th layer routed: every:3 → D D M D D M …
     all           every layer routed
     DDM           an explicit string of D (dense) and M (MoD), tiled to the depth

@@ -19,7 +19,6 @@ from typing import Any
 from modbench import variants
 
 from modbench.config.budget import Budget
-from modbench.config.capacity import check_capacity
 from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.config.io import bounded, check_bounds, from_mapping, parse_literal, read_toml
 from modbench.data import check_dataset
@@ -39,7 +38,7 @@ class TrainConfig:
     budget: str = "flops=1e13"
     lr: float = bounded(1e-3, 0.0, 10.0, low_open=True)  # at n_embd = 768; scaled by (n_embd/768)^-0.5 when scale_hparams
     weight_decay: float = bounded(0.1, 0.0, 100.0)  # at depth 12; scaled by (12/depth)^2 when scale_hparams
-    scale_hparams: bool = True  # nanochat's depth-based LR / WD scaling
+    scale_hparams: bool = True  # nanochat's depth-based LR / WD scaling (karpathy/nanochat)
     min_lr_ratio: float = bounded(0.1, 0.0, 1.0)
     warmup_frac: float = bounded(0.05, 0.0, 1.0, high_open=True)
     beta1: float = bounded(0.9, 0.0, 1.0, high_open=True)
@@ -81,8 +80,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
-        check_capacity(self.routing.capacity)
-        self.routing.capacity_schedule(self.model.max_seq_len)
+        self.routing.capacity_schedule(self.model.max_seq_len)  # validates capacity and schedule
         self.routing.routed_layers(self.model.layers)
         if self.train.seq_len > self.model.max_seq_len:
             raise ModbenchError(

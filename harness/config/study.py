@@ -18,7 +18,7 @@
     variant  = ["dense", "norm", "sigmoid"]
     capacity = [0.125, 0.5]      # or {low = 0.05, high = 0.5, log = true} with a model-based sampler
     pattern  = ["alternate"]
-    schedule = ["constant"]      # "log" = seed 000's log-scaled capacity
+    schedule = ["constant"]      # "log" = the nanochat fork's log-scaled capacity
     lr_mult  = [1.0]
     depth    = [4]               # model sizes (iso-FLOP studies)
     budget   = ["flops=1e13"]    # training budgets (iso-FLOP studies)
@@ -157,13 +157,8 @@ def _choices(path: Path, key: str, value: Any, check) -> list[Any]:
     return out
 
 
-def load_study(path: str | Path) -> Study:
-    """Read and fully validate a study file; raise one-line ModbenchErrors naming file and key."""
-    p = Path(path)
-    raw = read_toml(p)
-    for key in raw:
-        if key not in TOP_KEYS:
-            raise _fail(p, key, f"unknown section; accepted sections are {accepted(TOP_KEYS)}")
+def _load_settings(p: Path, raw: dict[str, Any]) -> StudySettings:
+    """The [study] table: name, sampler, pruner, objectives (declared names), seeds, limits."""
     settings = from_mapping(StudySettings, raw.get("study", {}), f"{p}: study")
     if not settings.name or not all(c.isalnum() or c in "-_." for c in settings.name):
         raise _fail(p, "study.name", f"{settings.name!r} must be a non-empty name of letters, digits, '-', '_' or '.'")
@@ -190,6 +185,17 @@ def load_study(path: str | Path) -> Study:
     if settings.n_trials < 0 or settings.timeout_s < 0 or math.isnan(settings.timeout_s):
         raise _fail(p, "study", "n_trials and timeout_s must be >= 0")
 
+    return settings
+
+
+def load_study(path: str | Path) -> Study:
+    """Read and fully validate a study file; raise one-line ModbenchErrors naming file and key."""
+    p = Path(path)
+    raw = read_toml(p)
+    for key in raw:
+        if key not in TOP_KEYS:
+            raise _fail(p, key, f"unknown section; accepted sections are {accepted(TOP_KEYS)}")
+    settings = _load_settings(p, raw)
     base = RunConfig.from_dict({"model": raw.get("model", {}), "train": raw.get("train", {})}, where=str(p))
     try:
         check_dataset(base.train.dataset)  # once, at load (the dataclasses never touch files)
@@ -233,7 +239,7 @@ def load_study(path: str | Path) -> Study:
     if settings.sampler == "grid":
         for arm in study.arms():  # build every arm's config once, through the one loader: bad ones fail now
             try:
-                load_run(study.run_config(arm, seeds[0]))
+                load_run(study.run_config(arm, settings.seeds[0]))
             except ModbenchError as e:
                 raise _fail(p, "space", f"arm {arm.label!r}: {e}") from None
     return study

@@ -5,7 +5,7 @@ Read top to bottom. Notable features:
 - Decoder-only transformer over bytes (vocab 256 by default): token embedding, rotary
   position embeddings (Su et al. 2021), pre-norm RMSNorm, causal
   ``scaled_dot_product_attention``, a 4× GELU MLP and an untied output head.
-- Depth parameterisation from seed 004 (``ModelConfig``).
+- Depth parameterisation of nanochat (karpathy/nanochat; ``ModelConfig``).
 - Routed layers (Raposo et al. 2024, arXiv:2404.02258): a variant's router picks the top-k
   tokens (k from the capacity schedule); the block gathers them in ascending position
   order together with the RoPE angles of their *original* positions, runs attention among
@@ -19,7 +19,7 @@ Read top to bottom. Notable features:
   state only) in one parallel pass with a boolean attention mask — a skipped token is
   neither a query nor a key/value at that layer — which is exactly what KV-cached decoding
   (``modbench.model.decode``) computes; ``"dense"`` runs every routed layer as a plain block on
-  every token (MoD switched off: seed 000's inference mode). The default path is unchanged.
+  every token (MoD switched off: the inference mode of the nanochat fork's MoD docs). The default path is unchanged.
 - No host-device synchronisation in the forward pass: k is a Python int from static
   shapes, and nothing calls ``.item()``; the model compiles with ``fullgraph=True``.
 - Analytic FLOPs as model methods (``flops_per_token``), documented in ``modbench.model.flops``.

@@ -1,7 +1,7 @@
 """Where routers send tokens, measured on trained checkpoints and fixed validation windows.
 
 For each arm (its first seed): the processing rate by position in the sequence, by byte class
-of the token (letters, digits, whitespace, punctuation, other — the kind of analysis seed 003
+of the token (letters, digits, whitespace, punctuation, other — the kind of analysis an unpublished enwik8 MoD report (2025)
 asserts, here measured), and the overlap (Jaccard index) of the selected sets between routed
 layers.
 """

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import matplotlib
 import numpy as np
+import torch
 
 if "matplotlib.pyplot" not in sys.modules:
     matplotlib.use("Agg")
@@ -95,3 +96,21 @@ def routing_heatmap(
     # nothing lingers if a caller keeps a reference around.
     fig.clear()
     return path
+
+
+@torch.no_grad()
+def log_routing_heatmap(model, val_x: torch.Tensor, device, tracker, run_dir: Path, routed_ids: list[int]) -> None:
+    if not model.routers:
+        return
+    model.eval()
+    model.set_collect_stats(True)
+    try:
+        with torch.random.fork_rng(devices=[]):  # keep the global RNG where training left it
+            out = model(val_x[:1].to(device))
+    finally:
+        model.set_collect_stats(False)
+        model.train()
+    selected = [s["layer_index"][0].cpu().numpy() for s in out.stats]
+    path = routing_heatmap(selected, val_x.shape[1], run_dir / "routing_heatmap.png",
+                           title=f"{model.routing.variant} C={model.routing.capacity:g}: processed positions (layers {routed_ids})")
+    tracker.log_artifact(path)

@@ -16,7 +16,6 @@ evaluates, prints and writes checkpoints.
 from __future__ import annotations
 
 import math
-import resource
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -26,7 +25,9 @@ from typing import Any
 
 import torch
 
-from modbench.run import distributed
+from modbench.run import distributed, step_metrics
+from modbench.run.heatmap import log_routing_heatmap
+from modbench.run.step_metrics import Window, mean_logged
 from modbench.config.budget import Budget
 from modbench.track.checkpoint import load_checkpoint, save_checkpoint
 from modbench.config.model import lr_scale, wd_scale
@@ -40,10 +41,6 @@ from modbench.config.run import RunConfig
 from modbench.results import RunRecord, declared
 from modbench.track.records import CHECKPOINT_ARTIFACT_DIR, CHECKPOINT_TAG
 from modbench.track.tracking import RunTracker
-
-# Dense bf16 tensor-core peaks (FLOP/s) for MFU; unknown devices report no MFU.
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
-
 
 CALIBRATION_BATCHES = 8  # training batches of the final causal-rule calibration (forward only)
 CALIBRATION_SEED_OFFSET = 7919  # its own data stream: training's data order is untouched
@@ -75,19 +72,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ModbenchError("train.device is 'cuda' but no CUDA device is available: use 'cpu' or 'auto'")
     return torch.device(name)
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16.items() if k in name), None)
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def build_optimizer(model: GPT, cfg: RunConfig) -> torch.optim.AdamW:
@@ -149,18 +133,6 @@ def train(
 
 
 @dataclass
-class _Window:
-    """What the steps since the last log line leave for the per-step metrics."""
-
-    steps: int
-    seconds: float
-    loss: float
-    aux: dict[str, float]
-    grad_norm: float
-    route_stats: list[dict[str, torch.Tensor]]
-
-
-@dataclass
 class _Run:
     """The state every phase of one run shares (built by ``_setup``)."""
 
@@ -197,47 +169,6 @@ class _Run:
     aux_acc: dict[str, torch.Tensor] = field(default_factory=dict)
     route_stats: list[dict[str, torch.Tensor]] = field(default_factory=list)
     grad_norm: torch.Tensor | None = None
-
-
-# --- per-step metrics: one function each, registered in order -------------------------------
-StepMetric = Callable[[_Run, _Window], dict[str, float]]
-STEP_METRICS: list[StepMetric] = []
-
-
-def step_metric(fn: StepMetric) -> StepMetric:
-    """Register a per-step metric: ``fn(run, window) -> {name: value}``, logged every log_every."""
-    STEP_METRICS.append(fn)
-    return fn
-
-
-@step_metric
-def _loss_metrics(run: _Run, w: _Window) -> dict[str, float]:
-    return {"train/loss": w.loss, "train/bpb": w.loss / math.log(2), "train/lr": run.optimizer.param_groups[0]["lr"],
-            "train/grad_norm": w.grad_norm, **{f"train/aux/{k}": v for k, v in w.aux.items()}}
-
-
-@step_metric
-def _perf_metrics(run: _Run, w: _Window) -> dict[str, float]:
-    tok_s = w.steps * run.tokens_per_step / max(w.seconds, 1e-9)
-    metrics = {
-        "perf/tokens_per_s": tok_s,
-        "perf/step_time_s": w.seconds / w.steps,
-        "perf/flops_per_token": run.flops_per_token,
-        "perf/cum_flops": run.step * run.tokens_per_step * run.flops_per_token,
-        "perf/cum_tokens": run.step * run.tokens_per_step,
-        "perf/peak_mem_mb": peak_memory_mb(run.device),
-    }
-    peak = peak_flops(run.device)
-    if peak:
-        metrics["perf/mfu"] = run.flops_per_token * tok_s / peak
-    return metrics
-
-
-@step_metric
-def _route_metrics(run: _Run, w: _Window) -> dict[str, float]:
-    return {f"route/L{layer_id}/{key}": s[key].item()
-            for layer_id, s in zip(run.routed_ids, w.route_stats)
-            for key in ("fraction", "mean_position", "score_entropy")}
 
 
 # --- the phases -----------------------------------------------------------------------------
@@ -394,17 +325,17 @@ def _micro_step(run: _Run, micro: int, *, collect_stats: bool) -> None:
 
 def _log_step(run: _Run) -> dict[str, str]:
     """Average the window, check for divergence, log every registered per-step metric."""
-    lm_mean, aux_mean, stats = _mean_logged(run.lm_acc, run.aux_acc, run.route_stats)
+    lm_mean, aux_mean, stats = mean_logged(run.lm_acc, run.aux_acc, run.route_stats)
     loss = lm_mean.item() / run.window_steps
     if not math.isfinite(loss):
         raise TrainingDiverged(
             f"training loss became {loss} at step {run.step}: lower --lr (now {run.cfg.train.lr:g}) "
             f"or --capacity, or raise --grad-clip; the run is marked FAILED"
         )
-    window = _Window(run.window_steps, time.perf_counter() - run.window_start, loss,
+    window = Window(run.window_steps, time.perf_counter() - run.window_start, loss,
                      {k: v.item() / run.window_steps for k, v in aux_mean.items()}, run.grad_norm.item(), stats)
     metrics: dict[str, float] = {}
-    for fn in STEP_METRICS:
+    for fn in step_metrics.STEP_METRICS:
         metrics.update(fn(run, window))
     run.tracker.log_metrics(metrics, run.step)
     run.history.append({"step": run.step, **metrics})
@@ -466,7 +397,7 @@ def _finish(run: _Run) -> TrainResult:
              "perf/train_tokens_per_s": tokens_per_s, "perf/logging_overhead": overhead,
              "perf/total_flops": tokens_done * run.flops_per_token, "perf/flops_per_token": run.flops_per_token}
     run.tracker.log_metrics(final, run.step)
-    _log_heatmap(run.model, val_x, run.device, run.tracker, run.run_dir, run.routed_ids)
+    log_routing_heatmap(run.model, val_x, run.device, run.tracker, run.run_dir, run.routed_ids)
     _save(run)
     checkpoint = _publish_checkpoint(run)
     run.tracker.flush()
@@ -477,21 +408,6 @@ def _finish(run: _Run) -> TrainResult:
         flops_per_token=run.flops_per_token, val=val, test=test, tokens_per_s=tokens_per_s, logging_overhead=overhead,
         history=run.history, checkpoint=run.ckpt_path,
     )
-
-
-def _mean_logged(lm_acc: torch.Tensor, aux_acc: dict[str, torch.Tensor], stats: list[dict[str, torch.Tensor]]):
-    """The logged training scalars averaged over ranks: every rank saw an equal slice, so the
-    mean of the slice means is the global-batch mean. One all-reduce for all of them."""
-    if not distributed.is_distributed():
-        return lm_acc, aux_acc, stats
-    keys = ("fraction", "mean_position", "score_entropy")
-    parts = [lm_acc.reshape(1), *(v.reshape(1) for v in aux_acc.values()),
-             *(s[k].reshape(1).to(lm_acc) for s in stats for k in keys)]
-    mean = distributed.mean_over_ranks(torch.cat([p.float() for p in parts])).unbind()
-    lm, rest = mean[0], list(mean[1:])
-    aux = {k: rest.pop(0) for k in aux_acc}
-    stats = [{k: rest.pop(0) for k in keys} for _ in stats]
-    return lm, aux, stats
 
 
 def _eval_set(corpus: Corpus, split: str, t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -528,26 +444,6 @@ def _save(run: _Run) -> None:
             "config": run.cfg.to_toml_dict(),
         },
     )
-
-
-@torch.no_grad()
-def _log_heatmap(model: GPT, val_x: torch.Tensor, device, tracker, run_dir: Path, routed_ids: list[int]) -> None:
-    if not model.routers:
-        return
-    from modbench.run.heatmap import routing_heatmap
-
-    model.eval()
-    model.set_collect_stats(True)
-    try:
-        with torch.random.fork_rng(devices=[]):  # keep the global RNG where training left it
-            out = model(val_x[:1].to(device))
-    finally:
-        model.set_collect_stats(False)
-        model.train()
-    selected = [s["layer_index"][0].cpu().numpy() for s in out.stats]
-    path = routing_heatmap(selected, val_x.shape[1], run_dir / "routing_heatmap.png",
-                           title=f"{model.routing.variant} C={model.routing.capacity:g}: processed positions (layers {routed_ids})")
-    tracker.log_artifact(path)
 
 
 def _device_name(device: torch.device) -> str:
