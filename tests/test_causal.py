@@ -260,3 +260,28 @@ def test_training_logs_the_gaps_and_cli_generates_from_the_run(tmp_cwd, capsys, 
     rc = main(["generate", "--run", str(result.checkpoint), "--prompt", "x", "--max-new-tokens", "40"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "exceeds the model's max_seq_len 32" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "mlp_skip"])
+def test_every_routing_path_runs_the_one_block_implementation(name, monkeypatch):
+    """Training top-k, the causal mode, dense mode and KV-cached decoding all compute the block
+    through Block.attention and Block.mlp_delta: a change there changes every path."""
+    from modbench.model.gpt import Block
+
+    calls: dict[str, int] = {}
+    for method in ("attention", "mlp_delta"):
+        original = getattr(Block, method)
+
+        def counted(self, *a, _original=original, _name=method, **k):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(Block, method, counted)
+    m = model(name).eval()
+    x = torch.randint(0, 256, (2, 8))
+    for run in (lambda: m(x), lambda: m(x, routing_mode="causal"), lambda: m(x, routing_mode="dense"),
+                lambda: Decoder(m, 2, 8)(x), lambda: Decoder(m, 2, 8, mode="dense")(x)):
+        calls.clear()
+        with torch.no_grad():
+            run()
+        assert calls.get("attention", 0) >= 3 and calls.get("mlp_delta", 0) >= 2, calls

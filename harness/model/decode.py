@@ -152,23 +152,16 @@ class Decoder:
 
     @staticmethod
     def _dense(block, cache: LayerCache, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        a = cache.attend(block.attn, block.norm1(x), cos, sin, keep=None)
-        return x + (a + block.mlp(block.norm2(x + a)))
+        return x + block.delta(x, cos, sin, cache=cache)
 
     def _routed(self, layer: RoutedBlock, cache: LayerCache, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        block, router = layer.block, layer.router
-        if router.scope == "mlp":  # attention on every token, the MLP routed
-            x = x + cache.attend(block.attn, block.norm1(x), cos, sin, keep=None)
-        decide = router.decide_causal(x)
+        # The model's own block path (pre_route, routed_delta, mix_causal), with the cache passed in.
+        x = layer.pre_route(x, cos, sin, cache=cache)
+        decide = layer.router.decide_causal(x)
         n = x.shape[1]
         if n > 1:
             # Prefill: every token computed in one masked pass, skipped ones discarded.
-            if router.scope == "mlp":
-                delta = block.mlp(block.norm2(x))
-            else:
-                a = cache.attend(block.attn, block.norm1(x), cos, sin, keep=decide)
-                delta = a + block.mlp(block.norm2(x + a))
-            return self._mix(router, x, decide, delta), decide
+            return layer.mix_causal(x, decide, layer.routed_delta(x, cos, sin, cache=cache, keep=decide)), decide
         # Decode step: run the block only for the sequences that process this token.
         rows = decide[:, 0].nonzero().squeeze(1)
         if rows.numel() == 0:
@@ -176,23 +169,11 @@ class Decoder:
         all_rows = rows.numel() == x.shape[0]
         xs = x if all_rows else x.index_select(0, rows)
         ones = torch.ones(xs.shape[:2], dtype=torch.bool, device=x.device)
-        if router.scope == "mlp":
-            delta = block.mlp(block.norm2(xs))
-        else:
-            a = cache.attend(block.attn, block.norm1(xs), cos, sin, keep=ones, rows=None if all_rows else rows)
-            delta = a + block.mlp(block.norm2(xs + a))
-        out = self._mix(router, xs, ones, delta)
+        delta = layer.routed_delta(xs, cos, sin, cache=cache, keep=ones, rows=None if all_rows else rows)
+        out = layer.mix_causal(xs, ones, delta)
         if all_rows:
             return out, decide
         return x.index_copy(0, rows, out), decide
-
-    @staticmethod
-    def _mix(router, x: Tensor, decide: Tensor, delta: Tensor) -> Tensor:
-        # The same arithmetic as RoutedBlock.forward_causal.
-        weight = router.causal_weight(x, decide)
-        if weight is not None:
-            delta = delta * weight.unsqueeze(-1).to(delta.dtype)
-        return torch.where(decide.unsqueeze(-1), x + delta, x)
 
 
 # --- generation ---------------------------------------------------------------------------

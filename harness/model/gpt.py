@@ -20,6 +20,10 @@ Read top to bottom. Notable features:
   neither a query nor a key/value at that layer — which is exactly what KV-cached decoding
   (``modbench.model.decode``) computes; ``"dense"`` runs every routed layer as a plain block on
   every token (MoD switched off: the inference mode of the nanochat fork's MoD docs). The default path is unchanged.
+- One block path: ``Block.attention`` / ``Block.mlp_delta`` / ``Block.delta`` are the block's
+  arithmetic for every routing mode and for KV-cached decoding (the cache is an argument, as
+  in nanochat); ``RoutedBlock.pre_route`` / ``routed_delta`` are the only places that read the
+  router's scope, and ``mix_causal`` the one ``x + w·delta`` of the causal paths.
 - No host-device synchronisation in the forward pass: k is a Python int from static
   shapes, and nothing calls ``.item()``; the model compiles with ``fullgraph=True``.
 - Analytic FLOPs as model methods (``flops_per_token``), documented in ``modbench.model.flops``.
@@ -100,7 +104,13 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm block; ``delta`` is what it adds to the residual stream."""
+    """Pre-norm block; ``delta`` is what it adds to the residual stream.
+
+    The one implementation of the block's arithmetic, for every path: training (``is_causal``
+    attention, on the gathered subset for a routed layer), the causal routing mode (an explicit
+    boolean ``mask``) and KV-cached decoding (``cache``: the layer's ``modbench.model.decode.
+    LayerCache``, passed in as in nanochat, with ``keep``/``rows`` for a routed layer).
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -110,16 +120,25 @@ class Block(nn.Module):
         self.norm2 = nn.RMSNorm(cfg.width)
         self.mlp = MLP(cfg.width, cfg.mlp_ratio)
 
-    def delta(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        a = self.attn(self.norm1(x), cos, sin)
-        return a + self.mlp(self.norm2(x + a))
+    def attention(self, x: Tensor, cos: Tensor, sin: Tensor, *, mask: Tensor | None = None, cache=None,
+                  keep: Tensor | None = None, rows: Tensor | None = None) -> Tensor:
+        """attn(norm1(x)): causal, under an explicit boolean mask, or through a KV cache."""
+        h = self.norm1(x)
+        if cache is not None:
+            return cache.attend(self.attn, h, cos, sin, keep=keep, rows=rows)
+        if mask is not None:
+            return self.attn.forward_masked(h, cos, sin, mask)
+        return self.attn(h, cos, sin)
+
+    def mlp_delta(self, x: Tensor) -> Tensor:
+        return self.mlp(self.norm2(x))
+
+    def delta(self, x: Tensor, cos: Tensor, sin: Tensor, **attention: object) -> Tensor:
+        a = self.attention(x, cos, sin, **attention)
+        return a + self.mlp_delta(x + a)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return x + self.delta(x, cos, sin)
-
-    def delta_masked(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
-        a = self.attn.forward_masked(self.norm1(x), cos, sin, mask)
-        return a + self.mlp(self.norm2(x + a))
 
 
 def causal_routing_mask(decide: Tensor) -> Tensor:
@@ -151,24 +170,40 @@ class RoutedBlock(nn.Module):
         self.router = router
         self.capacity = capacity
 
+    # The router's scope is read here, and only here: what runs on every token before routing,
+    # and which part of the block the router gates.
+    def pre_route(self, x: Tensor, cos: Tensor, sin: Tensor, **attention: object) -> Tensor:
+        """Nothing for scope "block"; attention on every token for scope "mlp" (``mlp_skip``)."""
+        if self.router.scope == "mlp":
+            return x + self.block.attention(x, cos, sin, **attention)
+        return x
+
+    def routed_delta(self, x: Tensor, cos: Tensor, sin: Tensor, **attention: object) -> Tensor:
+        """The routed tokens' delta: the whole block, or the MLP alone for scope "mlp"."""
+        if self.router.scope == "mlp":
+            return self.block.mlp_delta(x)
+        return self.block.delta(x, cos, sin, **attention)
+
+    def mix_causal(self, x: Tensor, decide: Tensor, delta: Tensor) -> Tensor:
+        """x + w·delta where ``decide``, x unchanged (bit for bit) elsewhere: causal mode and decoding."""
+        weight = self.router.causal_weight(x, decide)
+        if weight is not None:
+            delta = delta * weight.unsqueeze(-1).to(delta.dtype)
+        return torch.where(decide.unsqueeze(-1), x + delta, x)
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> LayerOutput:
         B, T, d = x.shape
-        if self.router.scope == "mlp":
-            # mlp_skip: attention sees every token, the MLP only the selected ones.
-            x = x + self.block.attn(self.block.norm1(x), cos[:T], sin[:T])
+        x = self.pre_route(x, cos[:T], sin[:T])
         r = self.router.route(x, self.capacity.k(T))
         k = r.index.shape[-1]
         # Flat row ids into the (B·T, d) view: batched gather/scatter, no loop over the batch.
         rows = (r.index + torch.arange(B, device=x.device).unsqueeze(1) * T).reshape(-1)
         flat = x.reshape(B * T, d)
         xs = flat.index_select(0, rows).view(B, k, d)
-        if self.router.scope == "mlp":
-            delta = self.block.mlp(self.block.norm2(xs))
-        else:
-            pos = r.index.reshape(-1)
-            cs = cos.index_select(0, pos).view(B, 1, k, -1)
-            sn = sin.index_select(0, pos).view(B, 1, k, -1)
-            delta = self.block.delta(xs, cs, sn)
+        pos = r.index.reshape(-1)  # the selected tokens keep the RoPE angles of their own positions
+        cs = cos.index_select(0, pos).view(B, 1, k, -1)
+        sn = sin.index_select(0, pos).view(B, 1, k, -1)
+        delta = self.routed_delta(xs, cs, sn)
         if r.weight is not None:
             delta = delta * r.weight.to(delta.dtype)
         # Under autocast the delta leaves the linears in bf16 while the residual stream stays fp32.
@@ -194,17 +229,10 @@ class RoutedBlock(nn.Module):
         """
         T = x.shape[1]
         cos, sin = cos[:T], sin[:T]
-        if self.router.scope == "mlp":
-            x = x + self.block.attn(self.block.norm1(x), cos, sin)
-            decide = self.router.decide_causal(x)
-            delta = self.block.mlp(self.block.norm2(x))
-        else:
-            decide = self.router.decide_causal(x)
-            delta = self.block.delta_masked(x, cos, sin, causal_routing_mask(decide))
-        weight = self.router.causal_weight(x, decide)
-        if weight is not None:
-            delta = delta * weight.unsqueeze(-1).to(delta.dtype)
-        out = torch.where(decide.unsqueeze(-1), x + delta, x)
+        x = self.pre_route(x, cos, sin)
+        decide = self.router.decide_causal(x)
+        delta = self.routed_delta(x, cos, sin, mask=causal_routing_mask(decide))
+        out = self.mix_causal(x, decide, delta)
         return LayerOutput(out, {}, {"decide": decide} if self.router.collect_stats else {})
 
     def forward_dense(self, x: Tensor, cos: Tensor, sin: Tensor) -> LayerOutput:
