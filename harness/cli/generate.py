@@ -19,6 +19,19 @@ from modbench.errors import ModbenchError
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 
 
+def _temperature(text: str) -> float:
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a temperature: expected a finite number >= 0")
+    return value
+
+
 def resolve_checkpoint(run: str, tracking_uri: str) -> Path:
     """A checkpoint path from ``--run``: a file path, or an MLflow run id in ``tracking_uri``."""
     path = Path(run)
@@ -37,13 +50,13 @@ def resolve_checkpoint(run: str, tracking_uri: str) -> Path:
     return fetch_checkpoint(tracking_uri, read_record(tracking_uri, run))
 
 
-def load_model(path: Path, device):
+def load_model(path: Path, device, run_id: str | None = None):
     """The GPT stored in a training checkpoint, in eval mode on ``device``."""
     from modbench.track.checkpoint import load_checkpoint
     from modbench.model.gpt import GPT
     from modbench.config.run import RunConfig
 
-    state = load_checkpoint(path)
+    state = load_checkpoint(path, run_id=run_id)
     if not isinstance(state, dict) or "model" not in state or "config" not in state:
         raise ModbenchError(f"{path} is not a modbench training checkpoint (no 'model' and 'config' entries)")
     cfg = RunConfig.from_dict(state["config"], where=str(path))
@@ -72,7 +85,8 @@ def run(args) -> int:
     if not prompt_bytes:
         raise ModbenchError("--prompt is empty: give at least one character")
     device = resolve_device(args.device)
-    model, cfg = load_model(resolve_checkpoint(args.run, tracking_uri_of(args)), device)
+    run_id = args.run if RUN_ID.fullmatch(args.run) and not Path(args.run).exists() else None
+    model, cfg = load_model(resolve_checkpoint(args.run, tracking_uri_of(args)), device, run_id)
     if max(prompt_bytes) >= cfg.model.vocab_size:
         raise ModbenchError(f"the prompt has bytes outside the model's vocabulary of {cfg.model.vocab_size}")
     total = len(prompt_bytes) + args.max_new_tokens
@@ -114,7 +128,7 @@ def add_parser(sub) -> None:
     p.add_argument("--run", required=True, help="checkpoint file (runs/<name>/checkpoint.pt) or MLflow run id")
     p.add_argument("--prompt", required=True, help="text to continue (UTF-8 bytes)")
     p.add_argument("--max-new-tokens", type=int, default=100, help="bytes to generate (default: 100)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 is greedy (default: 1)")
+    p.add_argument("--temperature", type=_temperature, default=1.0, help="sampling temperature, a finite number >= 0; 0 is greedy (default: 1)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely bytes")
     p.add_argument("--greedy", action="store_true", help="always take the most likely byte")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")

@@ -160,8 +160,10 @@ def _choices(path: Path, key: str, value: Any, check) -> list[Any]:
 def _load_settings(p: Path, raw: dict[str, Any]) -> StudySettings:
     """The [study] table: name, sampler, pruner, objectives (declared names), seeds, limits."""
     settings = from_mapping(StudySettings, raw.get("study", {}), f"{p}: study")
-    if not settings.name or not all(c.isalnum() or c in "-_." for c in settings.name):
-        raise _fail(p, "study.name", f"{settings.name!r} must be a non-empty name of letters, digits, '-', '_' or '.'")
+    if (not settings.name or len(settings.name) > 100 or settings.name.startswith(".")
+            or not all(c.isalnum() or c in "-_." for c in settings.name)):
+        raise _fail(p, "study.name", f"{settings.name[:40]!r} must be a name of 1 to 100 letters, digits, '-', '_' or '.', "
+                                     "not starting with '.' (it names folders)")
     if settings.sampler not in SAMPLERS:
         raise _fail(p, "study.sampler", f"{settings.sampler!r} is unknown: expected {accepted(SAMPLERS)}")
     if settings.pruner not in PRUNERS:

@@ -15,6 +15,8 @@ evaluates, prints and writes checkpoints.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from collections.abc import Callable
@@ -106,8 +108,14 @@ def lr_at(progress: float, base_lr: float, cfg: RunConfig) -> float:
 
 
 def default_run_name(cfg: RunConfig) -> str:
+    """``--run-name``, else the arm and seed plus a hash of the whole config: a rerun with
+    another budget or lr gets its own folder (and checkpoint); the same config resumes its own."""
+    if cfg.train.run_name:
+        return cfg.train.run_name
     r = cfg.routing
-    return cfg.train.run_name or f"{r.variant}_C{r.capacity:g}_{r.schedule}_{r.pattern}_d{cfg.model.depth}_s{cfg.train.seed}".replace(":", "-").replace(",", "-")
+    digest = hashlib.sha256(json.dumps(cfg.to_toml_dict(), sort_keys=True).encode()).hexdigest()[:8]
+    name = f"{r.variant}_C{r.capacity:g}_{r.schedule}_{r.pattern}_d{cfg.model.depth}_s{cfg.train.seed}_{digest}"
+    return name.replace(":", "-").replace(",", "-")
 
 
 def train(

@@ -24,11 +24,16 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
+def load_checkpoint(path: Path, *, run_id: str | None = None) -> dict[str, Any]:
+    """The checkpoint's contents; with ``run_id``, it must be that MLflow run's checkpoint."""
     if not path.is_file():
         raise ModbenchError(f"no checkpoint at {path}: run without --resume first, or check --out-dir/--run-name")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise ModbenchError(f"checkpoint {path} cannot be read as a modbench checkpoint ({type(e).__name__}); "
                             "only plain tensors and values are loaded, never code: use a checkpoint modbench wrote") from None
+    if run_id is not None and isinstance(state, dict) and state.get("run_id") != run_id:
+        raise ModbenchError(f"checkpoint {path} was written by MLflow run {state.get('run_id')}, not {run_id}: "
+                            "the run's checkpoint tag points to another run's file")
+    return state
