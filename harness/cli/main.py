@@ -7,6 +7,7 @@ Each subcommand lives in its own module and registers itself through ``add_parse
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -21,7 +22,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from modbench import __version__
+
     parser = _Parser(prog="modbench", description="Benchmark and ablation suite for Mixture-of-Depths routing.")
+    parser.add_argument("--version", action="version", version=f"modbench {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for module in (variants, demo, train, study, report, generate, ui):
         module.add_parser(sub)
@@ -38,6 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("modbench: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `modbench variants --json | head`: the reader left; no traceback, and none at exit either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ def _storage_for(args) -> tuple[str, str]:
     from modbench.track.optuna_store import default_storage
     from modbench.config.study import load_study
 
+    from modbench.config.study import shipped_studies
+
     target = Path(args.study)
-    if target.suffix == ".toml" or target.is_file():
-        study = load_study(target)
+    if target.suffix == ".toml" or target.is_file() or args.study in shipped_studies():
+        study = load_study(args.study)
         return study.name, args.storage or default_storage(study, args.out_dir)
     if args.storage:
         return args.study, args.storage
@@ -64,11 +66,40 @@ def status(args) -> int:
     return 0
 
 
+def list_studies(args) -> int:
+    """The studies shipped with modbench: name, size (arms × seeds), first line of the description."""
+    from modbench.config.study import load_study, shipped_studies
+
+    rows = []
+    for name, path in sorted(shipped_studies().items()):
+        s = load_study(path)
+        arms = len(s.arms()) if s.settings.sampler == "grid" else s.settings.n_trials
+        rows.append({"study": name, "trials": arms * len(s.settings.seeds),
+                     "description": (s.settings.description.strip().splitlines() or [""])[0]})
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        for r in rows:
+            print(f"{r['study']:<18} {r['trials']:>4} trials  {r['description']}")
+        print("run one with: modbench study run NAME; read one with: modbench study show NAME")
+    return 0
+
+
+def show_study(args) -> int:
+    """The study file's text (a shipped study by name, or a file)."""
+    from modbench.config.study import find_study, load_study
+
+    path = find_study(args.study)
+    load_study(path)  # a file that does not validate is an error here too
+    print(path.read_text(encoding="utf-8"), end="")
+    return 0
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("study", help="run or inspect an Optuna ablation study from a study file")
     ssub = p.add_subparsers(dest="study_command", required=True, parser_class=type(p))
     r = ssub.add_parser("run", help="run (or resume) a study; several workers may run it against one --storage")
-    r.add_argument("study_file")
+    r.add_argument("study_file", help="a study file, or the name of a shipped study (modbench study list)")
     r.add_argument("--storage", help="Optuna storage URL (default: SQLite in --out-dir), e.g. postgresql+psycopg://user@host/db")
     r.add_argument("--out-dir", default="runs/studies", help="where SQLite storage and trial checkpoints go")
     r.add_argument("--n-trials", type=int, help="run at most this many trials now")
@@ -78,6 +109,12 @@ def add_parser(sub) -> None:
     r.add_argument("--quiet", action="store_true")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=run)
+    ls = ssub.add_parser("list", help="the studies shipped with modbench")
+    ls.add_argument("--json", action="store_true", help="print a JSON list")
+    ls.set_defaults(func=list_studies)
+    sh = ssub.add_parser("show", help="print a study file (a shipped study by name)")
+    sh.add_argument("study", help="shipped study name or study file")
+    sh.set_defaults(func=show_study)
     s = ssub.add_parser("status", help="trials by state")
     s.add_argument("study", help="study file or study name")
     s.add_argument("--storage")

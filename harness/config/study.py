@@ -190,9 +190,31 @@ def _load_settings(p: Path, raw: dict[str, Any]) -> StudySettings:
     return settings
 
 
+def shipped_studies() -> dict[str, Path]:
+    """The study files that ship inside the package (``modbench.studies``), by name."""
+    from importlib.resources import files
+
+    root = files("modbench.studies")
+    return {Path(str(f)).stem: Path(str(f)) for f in root.iterdir() if str(f).endswith(".toml")}
+
+
+def find_study(text: str | Path) -> Path:
+    """A study file: the path if it exists, else the shipped study of that name (``quick``)."""
+    path = Path(text)
+    if path.is_file():
+        return path
+    shipped = shipped_studies()
+    if str(text) in shipped:
+        return shipped[str(text)]
+    if path.suffix == ".toml" and path.stem in shipped and not path.parent.exists():
+        return shipped[path.stem]
+    raise ModbenchError(f"no study file {str(text)!r}, and no shipped study of that name: give a study file, "
+                        f"or one of {accepted(sorted(shipped))} (see 'modbench study list')")
+
+
 def load_study(path: str | Path) -> Study:
-    """Read and fully validate a study file; raise one-line ModbenchErrors naming file and key."""
-    p = Path(path)
+    """Read and fully validate a study file (or a shipped study's name); one-line errors name file and key."""
+    p = find_study(path)
     raw = read_toml(p)
     for key in raw:
         if key not in TOP_KEYS:
