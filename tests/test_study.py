@@ -70,6 +70,11 @@ def test_smoke_study_end_to_end_with_mlflow_parent_and_children(tmp_cwd):
         # One spelling: the declared names, never an old alias or an objective/ duplicate.
         assert not [k for k in r.data.metrics if k in ALIASES or k.startswith("objective/")]
         assert r.data.tags["modbench.checkpoint"] == "checkpoint/checkpoint.pt"
+        assert r.info.run_name == f"{r.data.tags['modbench.arm']} s{r.data.tags['modbench.seed']}"  # arm first
+        assert r.data.tags["optuna.trial_number"].isdigit()
+    exp = MlflowClient(f"sqlite:///{tmp_cwd}/mlflow.db").get_experiment_by_name("smoke")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # the training layout, not GenAI
+    assert exp.tags["mlflow.note.content"] == load_study(SMOKE).settings.description
     assert set(df.mlflow_run_id) == {r.info.run_id for r in children}
     assert "best/val/bpb" in parents[0].data.metrics
     study = optuna.load_study(study_name="smoke", storage=sqlite_url(tmp_cwd, "smoke"))

@@ -145,7 +145,7 @@ class Runner:
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 study.set_metric_names(list(s.settings.objectives))  # the dashboard shows val/bpb, not "Objective 0"
             parent = Tracker(s.name, run_name=f"study {s.name}", tags={"modbench.study": s.name, "modbench.role": "study"},
-                             uri=self.tracking_uri).start()
+                             uri=self.tracking_uri, experiment_description=s.settings.description).start()
             parent.log_params({"study.file": str(s.path), "study.sampler": s.settings.sampler, "study.pruner": s.settings.pruner,
                                "study.seeds": s.settings.seeds, "study.objectives": s.settings.objectives,
                                "study.file_sha256": s.file_sha256, **{f"base.{k}": v for k, v in s.base.to_dict().items()}})
@@ -200,7 +200,8 @@ class Runner:
                            experiment=s.name, track=True)  # tracked, through the tracker passed to train
         tags = {"modbench.study": s.name, "optuna.trial_number": str(trial.number), "modbench.arm": arm.label,
                 "modbench.seed": str(seed), "optuna.state": "RUNNING"}
-        tracker = Tracker(s.name, run_name=f"trial-{trial.number} {arm.label} s{seed}", parent_run_id=self.parent_run_id, tags=tags,
+        # The run's name starts with the arm (the UI's table cuts long names); the trial number is a tag.
+        tracker = Tracker(s.name, run_name=f"{arm.label} s{seed}", parent_run_id=self.parent_run_id, tags=tags,
                           uri=self.tracking_uri)
         multi = len(s.directions) > 1
 

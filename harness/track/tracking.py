@@ -173,14 +173,21 @@ def _artifact_location(uri: str, experiment: str) -> str | None:
     return f"{root}/{slug}"
 
 
-def _get_or_create_experiment(client, name: str, uri: str) -> str:
+# MLflow 3's UI opens an experiment in its GenAI layout (traces, judges) unless told it is model
+# training; the note is the experiment's description in the UI.
+EXPERIMENT_KIND_TAG, TRAINING_KIND = "mlflow.experimentKind", "custom_model_development"
+DESCRIPTION_TAG = "mlflow.note.content"
+
+
+def _get_or_create_experiment(client, name: str, uri: str, description: str | None = None) -> str:
     from mlflow.exceptions import MlflowException
 
     exp = client.get_experiment_by_name(name)
     if exp is None:
+        tags = {EXPERIMENT_KIND_TAG: TRAINING_KIND, **({DESCRIPTION_TAG: description} if description else {})}
         try:
             return client.create_experiment(
-                name, artifact_location=_artifact_location(uri, name)
+                name, artifact_location=_artifact_location(uri, name), tags=tags
             )
         except MlflowException:
             # Another worker may have created it between our lookup and create.
@@ -236,10 +243,12 @@ class Tracker:
         uri: str,
         flush_every: int = 20,
         run_id: str | None = None,
+        experiment_description: str | None = None,
     ) -> None:
         if flush_every < 1:
             raise ValueError(f"flush_every must be >= 1, got {flush_every}")
         self.experiment = experiment
+        self.experiment_description = experiment_description
         self.run_name = run_name
         self.parent_run_id = parent_run_id
         self.extra_tags = {str(k): str(v) for k, v in (tags or {}).items()}
@@ -299,7 +308,8 @@ class Tracker:
             if self._run_id is not None:
                 self._resume(client, tags)
             else:
-                self.experiment_id = _get_or_create_experiment(client, self.experiment, self.uri)
+                self.experiment_id = _get_or_create_experiment(client, self.experiment, self.uri,
+                                                               self.experiment_description)
                 if self.parent_run_id:
                     tags[PARENT_RUN_TAG] = self.parent_run_id
                 run = client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
