@@ -8,6 +8,11 @@ keep their tracebacks.
 
 from __future__ import annotations
 
+import re
+
+# scheme://user:password@host → scheme://user:***@host, wherever a URL appears in a text.
+_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@]*:)[^\s@/]+@")
+
 
 class ModbenchError(Exception):
     """A mistake in user input; its message is one line, shown without a traceback."""
@@ -21,3 +26,9 @@ def accepted(values) -> str:
     if len(items) <= 1:
         return "".join(items)
     return ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def redact(text: object) -> str:
+    """``text`` with the password of every URL in it masked: for anything shown or stored
+    (error lines, CLI output, reports, MLflow params and tags)."""
+    return _URL_PASSWORD.sub(r"\1***@", str(text))

@@ -63,3 +63,38 @@ def test_generate_temperature_must_be_a_finite_non_negative_number(tmp_cwd, caps
     assert main(["generate", "--run", "x.pt", "--prompt", "a", "--temperature", value]) == 2
     err = capsys.readouterr().err
     assert "is not a temperature: expected a finite number >= 0" in err and len(err.strip().splitlines()) == 1
+
+
+def test_redact_masks_every_url_password_and_nothing_else():
+    from modbench.errors import redact
+
+    text = "cannot open postgresql+psycopg://alice:s3cr%40t@db:5432/x and http://bob:pw@h:5000/ (sqlite:///a/b.db)"
+    out = redact(text)
+    assert "s3cr" not in out and ":pw@" not in out
+    assert "postgresql+psycopg://alice:***@db:5432/x" in out and "http://bob:***@h:5000/" in out
+    assert "sqlite:///a/b.db" in out and redact("lr=0.003 a:b@c") == "lr=0.003 a:b@c"
+
+
+@pytest.mark.parametrize("argv", [
+    ["study", "run", "smoke", "--storage", "postgresql+psycopg://alice:S3CRET@127.0.0.1:1/db"],
+    ["study", "status", "smoke", "--storage", "postgresql+psycopg://alice:S3CRET@127.0.0.1:1/db"],
+    ["report", "smoke", "--storage", "postgresql+psycopg://alice:S3CRET@127.0.0.1:1/db"],
+    ["train", "--dataset", "arithmetic", "--budget", "steps=1", "--tracking-uri", "http://alice:S3CRET@127.0.0.1:1"],
+])
+def test_no_password_in_any_error_line(tmp_cwd, capsys, argv):
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    assert "S3CRET" not in out.out + out.err and "modbench: error:" in out.err
+
+
+def test_no_password_in_mlflow_params_or_tags(tmp_cwd):
+    from mlflow.tracking import MlflowClient
+
+    from modbench.track.tracking import Tracker
+
+    store = f"sqlite:///{tmp_cwd}/mlflow.db"
+    with Tracker("secrets", uri=store) as tr:
+        tr.log_params({"study.storage": "postgresql://u:S3CRET@h/db"})
+        tr.set_tags({"storage": "postgresql://u:S3CRET@h/db"})
+    run = MlflowClient(store).get_run(tr.run_id)
+    assert "S3CRET" not in str(run.data.params) + str(run.data.tags)

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from modbench.cli import demo, generate, report, study, train, ui, variants
-from modbench.errors import ModbenchError
+from modbench.errors import ModbenchError, redact
 
 
 
@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
     except ModbenchError as e:
-        print(f"modbench: error: {e}", file=sys.stderr)
+        print(f"modbench: error: {redact(e)}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("modbench: interrupted", file=sys.stderr)

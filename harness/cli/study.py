@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from modbench.cli.common import add_tracking_flag, tracking_uri_of
-from modbench.errors import ModbenchError
+from modbench.errors import ModbenchError, redact
 
 
 def _storage_for(args) -> tuple[str, str]:
@@ -34,7 +34,7 @@ def run(args) -> int:
     outcome = run_study(args.study_file, storage=args.storage, out_dir=args.out_dir, n_trials=args.n_trials,
                         progress=not args.quiet, heartbeat=args.heartbeat, grace=args.grace,
                         tracking_uri=tracking_uri_of(args))
-    summary = {"study": outcome.name, "storage": outcome.storage, "ran": outcome.ran, "trials": outcome.counts,
+    summary = {"study": outcome.name, "storage": redact(outcome.storage), "ran": outcome.ran, "trials": outcome.counts,
                "best": outcome.best, "seconds": round(outcome.seconds, 1)}
     if args.quiet or args.json:
         print(json.dumps(summary))
@@ -42,7 +42,7 @@ def run(args) -> int:
         print(f"study {outcome.name}: ran {outcome.ran} trials in {outcome.seconds:.0f}s; trials by state {outcome.counts}")
         if outcome.best:
             print(f"best so far: {outcome.best}")
-        print(f"storage: {outcome.storage}\ncompare runs: modbench ui {args.study_file}; "
+        print(f"storage: {redact(outcome.storage)}\ncompare runs: modbench ui {args.study_file}; "
               f"report: modbench report {args.study_file}")
     return 0
 
@@ -52,6 +52,7 @@ def status(args) -> int:
 
     name, url = _storage_for(args)
     df = trials_frame(name, url)
+    url = redact(url)  # what is shown from here on
     by_state = df["state"].value_counts().to_dict() if len(df) else {}
     if args.json:
         print(json.dumps({"study": name, "storage": url, "trials": by_state,

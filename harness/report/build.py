@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from modbench.errors import redact
 from modbench.report import plots
 from modbench.report.collect import ReportData, collect
 from modbench.report.routing_analysis import analyse
@@ -276,7 +277,7 @@ def _finish(lines: list[str], data: ReportData, dest: Path, study_path, command:
         "dataset sha256": tags.get("dataset_sha256", "n/a"),
         "study file": _portable(str(study_path)),
         "study file sha256": data.study.file_sha256,
-        "Optuna storage": _portable(data.storage),
+        "Optuna storage": redact(_portable(data.storage)),
     }
     lines += ["## Environment", "", pd.DataFrame({"": list(env), "value": list(env.values())}).to_markdown(index=False), "",
               "## Reproduce", "", "```bash",

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
-from modbench.errors import ModbenchError, accepted
+from modbench.errors import ModbenchError, accepted, redact
 from modbench.track.provenance import environment_tags
 
 # MLflow's limits (mlflow/utils/validation.py); a log_batch call exceeding them is refused.
@@ -380,7 +380,7 @@ class Tracker:
 
         self._require_started()
         with self._timed():
-            items = [Param(str(k), _param_value(v)) for k, v in params.items()]
+            items = [Param(str(k), redact(_param_value(v))) for k, v in params.items()]  # never a password
             for chunk in _chunks(items, MAX_PARAMS_PER_BATCH):
                 try:
                     self._client.log_batch(self._run_id, params=chunk, synchronous=True)
@@ -400,7 +400,7 @@ class Tracker:
 
         self._require_started()
         with self._timed():
-            items = [RunTag(str(k), str(v)) for k, v in tags.items()]
+            items = [RunTag(str(k), redact(v)) for k, v in tags.items()]
             for chunk in _chunks(items, MAX_TAGS_PER_BATCH):
                 self._client.log_batch(self._run_id, tags=chunk, synchronous=True)
 
