@@ -270,3 +270,50 @@ def test_fuzzed_bytes_never_give_a_traceback(tmp_path, raw):
         load_study(path)
     except ModbenchError as e:
         assert "\n" not in str(e)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_trial_is_requeued_and_a_rerun_completes_the_grid(tmp_path, sig):
+    """Ctrl-C or SIGTERM mid-trial (triggered when the trial has opened its MLflow run): one line,
+    exit 130, the run KILLED, the (arm, seed) queued again, the parent not finished; a re-run
+    completes every (arm, seed) exactly once and finishes the parent."""
+    name = f"int_{sig.name.lower()}"
+    path = smoke_variant(tmp_path, name, steps=600, seeds=(0,))
+    storage = sqlite_url(tmp_path, name)
+    worker = cli("study", "run", str(path), "--heartbeat", "1", cwd=tmp_path, wait=False)
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline:
+            try:
+                df = trials_frame(name, storage)
+                running = df[df.state == "RUNNING"]
+                if len(running) == 1 and isinstance(running.iloc[0].mlflow_run_id, str):
+                    break
+            except ModbenchError:
+                pass
+            time.sleep(0.1)
+        else:
+            pytest.fail("no trial started")
+        victim = running.iloc[0]
+        worker.send_signal(sig)
+        out, _ = worker.communicate(timeout=120)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert worker.returncode == 130, out
+    lines = [line for line in out.splitlines() if line.strip() and "it/s" not in line and "trial/s" not in line]
+    assert lines[-1].startswith("modbench: error: interrupted: trial") and "Traceback" not in out
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    assert client.get_run(victim.mlflow_run_id).info.status == "KILLED"
+    parent = [r for r in client.search_runs([client.get_experiment_by_name(name).experiment_id])
+              if r.data.tags.get("modbench.role") == "study"][0]
+    assert parent.info.status != "FINISHED"
+    waiting = trials_frame(name, storage)
+    assert ((waiting.state == "WAITING") & (waiting.arm == victim.arm) & (waiting.seed == victim.seed)).any()
+    done = cli("study", "run", str(path), "--quiet", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    after = trials_frame(name, storage)
+    assert (after.state == "COMPLETE").all() and len(after) == 2
+    exactly_once(after)
+    assert client.get_run(parent.info.run_id).info.status == "FINISHED"

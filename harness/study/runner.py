@@ -19,7 +19,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import socket
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -29,7 +31,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from modbench.errors import ModbenchError
+from modbench.errors import ModbenchError, redact
 from modbench.results import RunRecord
 from modbench.config.study import Arm, Range, Study, canonical_arm, load_study
 from modbench.track.optuna_store import connect_storage, default_storage, hide_password, study_dir
@@ -39,6 +41,22 @@ from modbench.run.train import train
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 PARENT_ATTR = "mlflow_parent_run_id"  # set once the study is fully created (see _create_or_load)
 CREATION_WAIT_S = 300.0  # how long a worker waits for another to finish creating the study
+
+
+class StudyInterrupted(ModbenchError):
+    """Ctrl-C or SIGTERM: the running trial was re-queued; exit code 130 (the shell's for SIGINT)."""
+
+    exit_code = 130
+
+
+def _sigterm_as_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 @dataclass
@@ -121,6 +139,7 @@ class Runner:
         self.out_dir = out_dir
         self.storage_url = storage_url
         self.tracking_uri = tracking_uri
+        self.interrupted: str | None = None  # which trial a Ctrl-C / SIGTERM re-queued
         self.storage = open_storage(storage_url, study.name, tracking_uri=tracking_uri, heartbeat=heartbeat, grace=grace)
         self.optuna = self._create_or_load()
 
@@ -222,8 +241,15 @@ class Runner:
                 tracker.set_tags({"optuna.state": "PRUNED"})
                 tracker.end("KILLED")
                 raise
-            except Exception:
-                tracker.set_tags({"optuna.state": "FAIL"})
+            except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (run_study turns it into one)
+                tracker.set_tags({"optuna.state": "INTERRUPTED"})
+                tracker.end("KILLED")
+                self._requeue(trial, arm, seed)
+                raise
+            except Exception as e:
+                reason = redact(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)[:300]
+                trial.set_user_attr("fail_reason", reason)
+                tracker.set_tags({"optuna.state": "FAIL", "modbench.fail_reason": reason})
                 raise
             values = objective_values(s, result.record)
             tracker.set_tags({"optuna.state": "COMPLETE"})
@@ -233,11 +259,25 @@ class Runner:
             raise ModbenchError(f"trial {trial.number} produced a non-finite objective {values}")
         return values[0] if len(values) == 1 else values
 
+    def _say_if_failed(self) -> None:
+        """One line per failed trial (Optuna's own warning, with its traceback, is silenced)."""
+        last = self.optuna.get_trials(deepcopy=False)[-1]
+        if last.state == TrialState.FAIL and not last.user_attrs.get("requeued"):
+            reason = last.user_attrs.get("fail_reason", "unknown reason")
+            print(f"modbench: trial {last.number} ({last.user_attrs.get('arm')}, seed {last.user_attrs.get('seed')}) "
+                  f"failed: {reason}", file=sys.stderr)
+
+    def _requeue(self, trial: optuna.Trial, arm: Arm, seed: int) -> None:
+        """Queue the interrupted (arm, seed) again; Optuna marks this trial FAIL, the report skips it."""
+        trial.set_user_attr("requeued", True)
+        self.optuna.enqueue_trial(trial.params, user_attrs={"seed": seed, "arm": arm.label})
+        self.interrupted = f"trial {trial.number} ({arm.label}, seed {seed})"
+
     # --- the worker loop ----------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for t in self.optuna.get_trials(deepcopy=False):
-            if t.user_attrs.get("surplus"):
+            if t.user_attrs.get("surplus") or t.user_attrs.get("requeued"):
                 continue
             out[t.state.name] = out.get(t.state.name, 0) + 1
         return out
@@ -271,6 +311,7 @@ class Runner:
                         break
                 self.optuna.optimize(self.objective, n_trials=1, catch=(ModbenchError,))
                 ran += 1
+                self._say_if_failed()
                 bar.update()
         finally:
             bar.close()
@@ -341,11 +382,20 @@ def run_study(path: str | Path, *, storage: str | None = None, out_dir: str | Pa
     if n_trials is not None and n_trials < 1:
         raise ModbenchError(f"--n-trials must be >= 1, got {n_trials}")
     url = storage or default_storage(study, out_dir)
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials get our one line, not a traceback
     t0 = time.monotonic()
     runner = Runner(study, url, Path(out_dir), tracking_uri=tracking_uri, heartbeat=heartbeat, grace=grace)
     timeout = study.settings.timeout_s or None
-    ran = runner.run(max_trials=n_trials, progress=progress, timeout_s=timeout)
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt) if _main_thread() else None
+    try:
+        ran = runner.run(max_trials=n_trials, progress=progress, timeout_s=timeout)
+    except KeyboardInterrupt:
+        what = runner.interrupted or "no trial was running"
+        raise StudyInterrupted(f"interrupted: {what}; it is queued again, and running the same command "
+                               "finishes the study") from None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     best = best_trials(runner.optuna)
     best_info = None
     if best:

@@ -57,7 +57,7 @@ def trials_frame(name: str, storage: str):
     columns = ["number", "state", "arm", "seed", *METRICS, "steps", "mlflow_run_id", "worker"]
     rows = []
     for t in study.get_trials(deepcopy=False):
-        if t.user_attrs.get("surplus"):
+        if t.user_attrs.get("surplus") or t.user_attrs.get("requeued"):  # an interrupted trial ran again
             continue
         row = {"number": t.number, "state": t.state.name, "arm": t.user_attrs.get("arm"), "seed": t.user_attrs.get("seed")}
         row.update({k: v for k, v in t.params.items()})
