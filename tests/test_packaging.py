@@ -24,7 +24,7 @@ def test_ci_checks_the_statistics_floors_that_pyproject_declares():
     script = (REPO / ".ci" / "min_versions.sh").read_text()
     pinned = dict(re.findall(r'"([a-z]+)==([0-9.]+)\.\*"', script))
     declared = floors()
-    for name in ("numpy", "scipy", "pandas", "zstandard", "tabulate"):
+    for name in ("numpy", "scipy", "pandas", "zstandard", "tabulate", "matplotlib"):
         assert pinned[name] == declared[name], f"{name}: CI tests {pinned[name]}, pyproject says >={declared[name]}"
 
 
