@@ -115,15 +115,19 @@ def storages(tmp: Path, name: str):
 
 
 @pytest.mark.slow
-def test_killed_worker_trial_is_retried_and_its_mlflow_run_failed(tmp_path):
-    name = f"kill_{os.getpid()}"
+@pytest.mark.parametrize("rerun", ["after_grace", "at_once"])
+def test_killed_worker_trial_is_retried_and_its_mlflow_run_failed(tmp_path, rerun):
+    """SIGKILL mid-trial. After the grace period the heartbeat marks it dead; re-run at once on
+    the same host, the worker's vanished pid does (the grace is then long enough not to)."""
+    name = f"kill_{rerun}_{os.getpid()}"
     # Trials long enough (hundreds of steps) that the kill lands mid-trial on any machine; the
     # kill is triggered by an event, never a sleep: the second trial is RUNNING and has opened
     # its MLflow run (so Optuna has recorded its first heartbeat, which starts with the trial).
     path = smoke_variant(tmp_path, name, steps=600, seeds=(0,))
     storage = POSTGRES or sqlite_url(tmp_path, name)
     (tmp_path / "runs" / "studies" / name).mkdir(parents=True)
-    args = ["study", "run", str(path), "--storage", storage, "--heartbeat", "1", "--grace", "3", "--quiet"]
+    grace = "3" if rerun == "after_grace" else "600"
+    args = ["study", "run", str(path), "--storage", storage, "--heartbeat", "1", "--grace", grace, "--quiet"]
     worker = cli(*args, cwd=tmp_path, wait=False)
     deadline = time.time() + 300
     try:
@@ -146,7 +150,8 @@ def test_killed_worker_trial_is_retried_and_its_mlflow_run_failed(tmp_path):
     before = trials_frame(name, storage)
     finished_before = before[before.state == "COMPLETE"][["number", "arm", "seed", "val/bpb"]]
     killed = before[before.state == "RUNNING"].iloc[0]
-    time.sleep(3.5)  # past the grace period
+    if rerun == "after_grace":
+        time.sleep(3.5)  # past the grace period: the heartbeat is what declares the worker dead
     done = cli(*args, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     after = trials_frame(name, storage)
@@ -154,7 +159,11 @@ def test_killed_worker_trial_is_retried_and_its_mlflow_run_failed(tmp_path):
     merged = finished_before.merge(after, on="number", suffixes=("", "_after"))
     assert (merged["val/bpb"] == merged["val/bpb_after"]).all() and len(merged) == len(finished_before)
     # the killed trial failed and the same (arm, seed) was retried to completion
-    assert after.set_index("number").loc[killed.number, "state"] == "FAIL"
+    if rerun == "after_grace":
+        assert after.set_index("number").loc[killed.number, "state"] == "FAIL"
+    else:
+        assert killed.number not in set(after.number)  # failed, re-queued, and left out of the results
+        assert "lost its worker" in done.stderr
     retried = after[(after.arm == killed.arm) & (after.seed == killed.seed) & (after.state == "COMPLETE")]
     assert len(retried) == 1 and retried.number.iloc[0] > killed.number
     exactly_once(after)

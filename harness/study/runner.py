@@ -53,6 +53,16 @@ def _sigterm_as_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
+
+
 def _main_thread() -> bool:
     import threading
 
@@ -259,6 +269,25 @@ class Runner:
             raise ModbenchError(f"trial {trial.number} produced a non-finite objective {values}")
         return values[0] if len(values) == 1 else values
 
+    def _retry_dead_local_workers(self) -> None:
+        """A RUNNING trial whose worker ran on this host under a pid that no longer exists is
+        dead now: fail it, fail its MLflow run and queue its (arm, seed) again at once, instead
+        of waiting out the heartbeat grace period (which still covers workers on other hosts)."""
+        host = socket.gethostname()
+        for t in self.optuna.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            worker_host, _, pid = str(t.user_attrs.get("worker", "")).rpartition(":")
+            if worker_host != host or not pid.isdigit() or _pid_alive(int(pid)):
+                continue
+            self.optuna._storage.set_trial_user_attr(t._trial_id, "requeued", True)
+            if not self.optuna._storage.set_trial_state_values(t._trial_id, TrialState.FAIL):
+                continue  # another worker got there first
+            run_id = t.user_attrs.get("mlflow_run_id")
+            if run_id:
+                fail_stale_runs(self.study.name, uri=self.tracking_uri, run_ids=[run_id])
+            self.optuna.enqueue_trial(t.params, user_attrs={"seed": t.user_attrs.get("seed"), "arm": t.user_attrs.get("arm")})
+            print(f"modbench: trial {t.number} ({t.user_attrs.get('arm')}, seed {t.user_attrs.get('seed')}) lost its "
+                  f"worker (pid {pid} on this host is gone): queued again", file=sys.stderr)
+
     def _say_if_failed(self) -> None:
         """One line per failed trial (Optuna's own warning, with its traceback, is silenced)."""
         last = self.optuna.get_trials(deepcopy=False)[-1]
@@ -303,6 +332,7 @@ class Runner:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                     optuna.storages.fail_stale_trials(self.optuna)
+                self._retry_dead_local_workers()
                 waiting = self.optuna.get_trials(deepcopy=False, states=(TrialState.WAITING,))
                 if not waiting:
                     if grid:
