@@ -326,3 +326,24 @@ def test_interrupted_trial_is_requeued_and_a_rerun_completes_the_grid(tmp_path, 
     assert (after.state == "COMPLETE").all() and len(after) == 2
     exactly_once(after)
     assert client.get_run(parent.info.run_id).info.status == "FINISHED"
+
+
+def test_added_arms_and_seeds_are_queued_and_changed_fixed_settings_refused(tmp_cwd, capsys):
+    path = smoke_variant(tmp_cwd, "edits", seeds=(0,))
+    assert main(["study", "run", str(path), "--quiet"]) == 0
+    assert sorted(trials_frame("edits", sqlite_url(tmp_cwd, "edits")).state) == ["COMPLETE"] * 2
+    # Add a seed and an arm: the re-run queues exactly the new (arm, seed) pairs.
+    text = path.read_text().replace("seeds = [0]", "seeds = [0, 1]")
+    text = text.replace('variant = ["dense", "sigmoid"]', 'variant = ["dense", "sigmoid", "norm"]')
+    assert 'variant = ["dense", "sigmoid", "norm"]' in text
+    path.write_text(text)
+    capsys.readouterr()
+    assert main(["study", "run", str(path), "--quiet"]) == 0
+    df = trials_frame("edits", sqlite_url(tmp_cwd, "edits"))
+    assert len(df) == 6 and (df.state == "COMPLETE").all()
+    exactly_once(df)
+    # Change a fixed setting (the budget every trial shares): refused, naming the key.
+    path.write_text(text.replace('budget = "steps=6"', 'budget = "steps=7"'))
+    assert main(["study", "run", str(path), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "base.train.budget" in err and "give the study a new name" in err and "\n" not in err.strip()

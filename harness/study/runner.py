@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import signal
@@ -40,6 +39,7 @@ from modbench.run.train import train
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 PARENT_ATTR = "mlflow_parent_run_id"  # set once the study is fully created (see _create_or_load)
+FIXED_ATTR = "fixed_settings"  # what every trial shares (model, train, options, objectives)
 CREATION_WAIT_S = 300.0  # how long a worker waits for another to finish creating the study
 
 
@@ -96,6 +96,38 @@ def open_storage(url: str, experiment: str, *, tracking_uri: str, heartbeat: int
                                heartbeat_stale_trial_callback=on_stale)
 
 
+def fixed_settings(study: Study) -> dict[str, str]:
+    """The settings every trial shares; a study file may add arms and seeds, never change these."""
+    return {**{f"base.{k}": repr(v) for k, v in study.base.to_dict().items()
+               if k not in ("train.seed", "train.out_dir", "train.run_name", "train.experiment", "train.track")},
+            **{f"options.{v}.{k}": repr(x) for v, table in sorted(study.options.items()) for k, x in table.items()},
+            "study.objectives": repr(list(study.settings.objectives))}
+
+
+def _refuse_changed_fixed_settings(optuna_study: optuna.Study, s: Study, storage_url: str) -> None:
+    before = optuna_study.user_attrs.get(FIXED_ATTR)
+    if before is None:
+        return  # a study created before modbench recorded them
+    now = fixed_settings(s)
+    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    if changed:
+        raise ModbenchError(
+            f"{s.path} changes settings that study {s.name!r} in {hide_password(storage_url)} fixed when it was created "
+            f"({', '.join(changed[:6])}{', …' if len(changed) > 6 else ''}): its trials would not be comparable; "
+            f"give the study a new name (study.name) to start a new one, or restore those settings"
+        )
+
+
+def _queue_new_grid_points(optuna_study: optuna.Study, s: Study) -> None:
+    """Arms or seeds added to the study file since the study was created are queued now."""
+    have = {(t.user_attrs.get("arm"), t.user_attrs.get("seed")) for t in optuna_study.get_trials(deepcopy=False)
+            if not t.user_attrs.get("surplus") and not t.user_attrs.get("requeued")}
+    for arm in s.arms():
+        for seed in s.settings.seeds:
+            if (arm.label, seed) not in have:
+                optuna_study.enqueue_trial({}, user_attrs=grid_attrs(arm, seed))
+
+
 def make_sampler(study: Study) -> optuna.samplers.BaseSampler:
     seed = study.settings.seeds[0]
     return {
@@ -121,6 +153,28 @@ def arm_params(arm: Arm) -> dict[str, Any]:
         params.update(capacity=arm.capacity, pattern=arm.pattern, schedule=arm.schedule)
     params.update(lr_mult=arm.lr_mult, depth=arm.depth, budget=arm.budget)
     return params
+
+
+def grid_attrs(arm: Arm, seed: int) -> dict[str, Any]:
+    """A grid point as trial user attributes. A grid samples nothing, so its arm is not an Optuna
+    param: params would fix the study's search space at creation, and an arm added to the study
+    file later could not be queued (Optuna refuses new categorical choices)."""
+    return {"seed": seed, "arm": arm.label, "arm_params": arm_params(arm)}
+
+
+def _point_attrs(user_attrs: dict[str, Any]) -> dict[str, Any]:
+    """The attributes that say which (arm, seed) a trial is, to queue the same point again."""
+    return {k: user_attrs[k] for k in ("seed", "arm", "arm_params") if k in user_attrs}
+
+
+def arm_of(trial: optuna.Trial, study: Study) -> Arm:
+    """The trial's arm: from its grid attributes, else suggested by the sampler."""
+    fixed = trial.user_attrs.get("arm_params")
+    if fixed is None:
+        return suggest_arm(trial, study)
+    dense = fixed["variant"] == "dense"
+    return canonical_arm(fixed["variant"], 1.0 if dense else fixed["capacity"], "-" if dense else fixed["pattern"],
+                         "constant" if dense else fixed["schedule"], fixed["lr_mult"], fixed["depth"], fixed["budget"])
 
 
 def suggest_arm(trial: optuna.Trial, study: Study) -> Arm:
@@ -170,6 +224,7 @@ class Runner:
         if created:
             study.set_user_attr("study_file_sha256", s.file_sha256)
             study.set_user_attr("objectives", s.settings.objectives)
+            study.set_user_attr(FIXED_ATTR, fixed_settings(s))
             with warnings.catch_warnings():  # experimental in Optuna 5
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 study.set_metric_names(list(s.settings.objectives))  # the dashboard shows val/bpb, not "Objective 0"
@@ -182,15 +237,14 @@ class Runner:
             if s.settings.sampler == "grid":
                 for arm in s.arms():
                     for seed in s.settings.seeds:
-                        study.enqueue_trial(arm_params(arm), user_attrs={"seed": seed, "arm": arm.label})
+                        study.enqueue_trial({}, user_attrs=grid_attrs(arm, seed))
             # Set last: it tells the other workers the study is complete (parent run and the
             # whole grid queued). Set earlier, a worker could find an empty queue and stop.
             study.set_user_attr(PARENT_ATTR, parent.run_id)
         else:
             if study.directions != [optuna.study.StudyDirection.MINIMIZE if d == "minimize" else optuna.study.StudyDirection.MAXIMIZE for d in s.directions]:
                 raise ModbenchError(f"study {s.name!r} in {self.storage_url} has other objectives than {s.path}: give the study a new name")
-            if study.user_attrs.get("study_file_sha256") != s.file_sha256:
-                logging.getLogger("modbench").warning("%s changed since the study was created; finished trials keep their settings", s.path)
+            _refuse_changed_fixed_settings(study, s, self.storage_url)
             deadline = time.monotonic() + CREATION_WAIT_S
             while PARENT_ATTR not in study.user_attrs:  # a worker that lost the creation race waits
                 if time.monotonic() > deadline:
@@ -201,6 +255,9 @@ class Runner:
                     )
                 time.sleep(0.2)
                 study = optuna.load_study(storage=self.storage, study_name=s.name, sampler=kwargs["sampler"], pruner=kwargs["pruner"])
+            if s.settings.sampler == "grid" and study.user_attrs.get("study_file_sha256") != s.file_sha256:
+                _queue_new_grid_points(study, s)  # the first worker to see the edited file queues what it adds
+                study.set_user_attr("study_file_sha256", s.file_sha256)
         return study
 
     @property
@@ -224,7 +281,7 @@ class Runner:
             for other in s.settings.seeds[1:]:
                 self.optuna.enqueue_trial(trial.params, user_attrs={"seed": other, "arm": arm.label})
         else:
-            arm = suggest_arm(trial, s)
+            arm = arm_of(trial, s)
         cfg = s.run_config(arm, seed, out_dir=str(study_dir(s, self.out_dir) / "trials"), run_name=f"trial-{trial.number}",
                            experiment=s.name, track=True)  # tracked, through the tracker passed to train
         tags = {"modbench.study": s.name, "optuna.trial_number": str(trial.number), "modbench.arm": arm.label,
@@ -284,7 +341,7 @@ class Runner:
             run_id = t.user_attrs.get("mlflow_run_id")
             if run_id:
                 fail_stale_runs(self.study.name, uri=self.tracking_uri, run_ids=[run_id])
-            self.optuna.enqueue_trial(t.params, user_attrs={"seed": t.user_attrs.get("seed"), "arm": t.user_attrs.get("arm")})
+            self.optuna.enqueue_trial(t.params, user_attrs=_point_attrs(t.user_attrs))
             print(f"modbench: trial {t.number} ({t.user_attrs.get('arm')}, seed {t.user_attrs.get('seed')}) lost its "
                   f"worker (pid {pid} on this host is gone): queued again", file=sys.stderr)
 
@@ -299,7 +356,7 @@ class Runner:
     def _requeue(self, trial: optuna.Trial, arm: Arm, seed: int) -> None:
         """Queue the interrupted (arm, seed) again; Optuna marks this trial FAIL, the report skips it."""
         trial.set_user_attr("requeued", True)
-        self.optuna.enqueue_trial(trial.params, user_attrs={"seed": seed, "arm": arm.label})
+        self.optuna.enqueue_trial(trial.params, user_attrs=_point_attrs(trial.user_attrs))
         self.interrupted = f"trial {trial.number} ({arm.label}, seed {seed})"
 
     # --- the worker loop ----------------------------------------------------------------------

@@ -60,7 +60,7 @@ def trials_frame(name: str, storage: str):
         if t.user_attrs.get("surplus") or t.user_attrs.get("requeued"):  # an interrupted trial ran again
             continue
         row = {"number": t.number, "state": t.state.name, "arm": t.user_attrs.get("arm"), "seed": t.user_attrs.get("seed")}
-        row.update({k: v for k, v in t.params.items()})
+        row.update(t.user_attrs.get("arm_params") or t.params)  # a grid point's arm, or the sampled params
         row.update({k: t.user_attrs.get(k) for k in (*METRICS, "steps", "mlflow_run_id", "worker")})
         rows.append(row)
     return pd.DataFrame(rows, columns=list(dict.fromkeys(columns + [k for r in rows for k in r])))
