@@ -347,3 +347,31 @@ def test_added_arms_and_seeds_are_queued_and_changed_fixed_settings_refused(tmp_
     assert main(["study", "run", str(path), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "base.train.budget" in err and "give the study a new name" in err and "\n" not in err.strip()
+
+
+def _open_store_at_once(url, barrier, results):
+    from modbench.track.optuna_store import connect_storage
+
+    barrier.wait()
+    try:
+        connect_storage(url)
+        results.put("ok")
+    except Exception as e:  # what the user would have seen
+        results.put(f"{type(e).__name__}: {e}")
+
+
+def test_two_workers_creating_one_sqlite_store_at_the_same_instant_both_work(tmp_path):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    for attempt in range(2):  # the race window is small: try it twice
+        url = f"sqlite:///{tmp_path}/race{attempt}/optuna.db"
+        (tmp_path / f"race{attempt}").mkdir()
+        barrier, results = ctx.Barrier(2), ctx.Queue()
+        procs = [ctx.Process(target=_open_store_at_once, args=(url, barrier, results)) for _ in range(2)]
+        for p in procs:
+            p.start()
+        outcomes = [results.get(timeout=120) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+        assert outcomes == ["ok", "ok"], outcomes

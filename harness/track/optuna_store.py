@@ -5,6 +5,8 @@ Both the study runner (writing trials) and the report (reading them) use this mo
 
 from __future__ import annotations
 
+import fcntl
+from contextlib import contextmanager
 from pathlib import Path
 
 import optuna
@@ -25,15 +27,43 @@ def default_storage(study: Study, out_dir: str | Path) -> str:
 
 
 def connect_storage(url: str, **kwargs) -> optuna.storages.RDBStorage:
-    """Optuna's RDB storage at ``url``; an unreachable or malformed URL is a one-line error."""
+    """Optuna's RDB storage at ``url``; an unreachable or malformed URL is a one-line error.
+
+    Creating a fresh SQLite store runs Optuna's schema migration; two workers started at the
+    same instant would both run it and one would fail ("UNIQUE constraint failed:
+    alembic_version"). A lock file beside the database makes them take turns.
+    """
     try:
-        return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True}, **kwargs)
+        with _sqlite_creation_lock(url):
+            return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True}, **kwargs)
+    except ModbenchError:
+        raise
     except Exception as e:  # sqlalchemy raises many kinds; the user needs the URL and the reason
         reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)[:200]
         raise ModbenchError(
             f"cannot open Optuna storage {hide_password(url)!r}: {reason}; check the URL and that the database "
             "server is running (e.g. postgresql+psycopg://user@host:5432/db or sqlite:///path/optuna.db)"
         ) from None
+
+
+@contextmanager
+def _sqlite_creation_lock(url: str):
+    db = url.removeprefix("sqlite:///") if url.startswith("sqlite:///") else None
+    if not db or db.startswith(":memory:"):
+        yield
+        return
+    lock_path = Path(db).with_name(Path(db).name + ".lock")
+    try:
+        handle = open(lock_path, "a")
+    except OSError as e:
+        raise ModbenchError(f"cannot create the Optuna store {db}: {e.strerror}; check that its folder exists "
+                            "and is writable, or pass --storage") from None
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def hide_password(url: str) -> str:
