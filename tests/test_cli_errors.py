@@ -38,10 +38,10 @@ CASES = [
     (["train", "--option", "aux_weight"], "--option 'aux_weight' is not KEY=VALUE"),
     (["train", "--config", "nope.toml"], "config file 'nope.toml' does not exist"),
     (["variants", "zz*"], "no variant matches 'zz*': registered variants are 'dense'"),
-    (["study", "run", "nope.toml"], "config file 'nope.toml' does not exist"),
+    (["study", "run", "nope.toml"], "no study file 'nope.toml', and no shipped study of that name"),
     (["study", "status", "nope"], "no study 'nope' under"),
     (["study", "status", STUDY, "--storage", "nosuchdialect://x"], "cannot open Optuna storage 'nosuchdialect://x'"),
-    (["report", "nope.toml"], "config file 'nope.toml' does not exist"),
+    (["report", "nope.toml"], "no study file 'nope.toml', and no shipped study of that name"),
     (["generate", "--run", "not-a-run", "--prompt", "x"], "it is not an MLflow run id (32 hex digits)"),
 ]
 
