@@ -98,3 +98,19 @@ def test_no_password_in_mlflow_params_or_tags(tmp_cwd):
         tr.set_tags({"storage": "postgresql://u:S3CRET@h/db"})
     run = MlflowClient(store).get_run(tr.run_id)
     assert "S3CRET" not in str(run.data.params) + str(run.data.tags)
+
+
+def test_out_dir_that_cannot_take_files_fails_before_training(tmp_cwd, capsys):
+    """A file where --out-dir's folder should be: one line at the start, nothing trained."""
+    (tmp_cwd / "taken").write_text("a file, not a folder")
+    assert main(["train", "--dataset", "arithmetic", "--budget", "steps=1000000", "--no-track",
+                 "--out-dir", "taken/runs"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("modbench: error: --out-dir taken/runs is not writable") and "\n" not in err
+
+
+def test_a_file_that_is_not_a_database_as_the_mlflow_store_is_one_line(tmp_cwd, capsys):
+    (tmp_cwd / "mlflow.db").write_text("not a database")
+    assert main(["train", "--dataset", "arithmetic", "--budget", "steps=1", "--depth", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "file is not a database" in err and "--tracking-uri" in err and "\n" not in err

@@ -31,7 +31,7 @@ from modbench.run import distributed, step_metrics
 from modbench.run.heatmap import log_routing_heatmap
 from modbench.run.step_metrics import Window, mean_logged
 from modbench.config.budget import Budget
-from modbench.track.checkpoint import load_checkpoint, save_checkpoint
+from modbench.track.checkpoint import check_writable, load_checkpoint, save_checkpoint
 from modbench.config.model import lr_scale, wd_scale
 from modbench.data import Corpus, eval_windows, eval_windows_with_labels, get_batch, load_corpus
 from modbench.errors import ModbenchError
@@ -221,6 +221,8 @@ def _setup(cfg: RunConfig, device: torch.device) -> _Run:
     flops_per_token = model.flops_per_token(t.seq_len)
     budget = Budget.parse(t.budget)
     run_dir = Path(t.out_dir) / default_run_name(cfg)
+    if distributed.is_main():
+        check_writable(Path(t.out_dir), "--out-dir")  # now, not after the whole run has trained
     return _Run(
         cfg=cfg, device=device, main=distributed.is_main(), corpus=corpus, model=model, step_model=step_model,
         fwd_model=torch.compile(step_model) if t.compile else step_model, optimizer=optimizer,

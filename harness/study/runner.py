@@ -33,6 +33,7 @@ from optuna.trial import TrialState
 from modbench.errors import ModbenchError, redact
 from modbench.results import RunRecord
 from modbench.config.study import Arm, Range, Study, canonical_arm, load_study
+from modbench.track.checkpoint import check_writable
 from modbench.track.optuna_store import connect_storage, default_storage, hide_password, study_dir
 from modbench.track.tracking import Tracker, fail_stale_runs
 from modbench.run.train import train
@@ -468,6 +469,7 @@ def run_study(path: str | Path, *, storage: str | None = None, out_dir: str | Pa
     study = load_study(path)
     if n_trials is not None and n_trials < 1:
         raise ModbenchError(f"--n-trials must be >= 1, got {n_trials}")
+    check_writable(Path(out_dir), "--out-dir")
     url = storage or default_storage(study, out_dir)
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials get our one line, not a traceback
     t0 = time.monotonic()

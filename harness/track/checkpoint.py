@@ -37,3 +37,14 @@ def load_checkpoint(path: Path, *, run_id: str | None = None) -> dict[str, Any]:
         raise ModbenchError(f"checkpoint {path} was written by MLflow run {state.get('run_id')}, not {run_id}: "
                             "the run's checkpoint tag points to another run's file")
     return state
+
+
+def check_writable(folder: Path, what: str) -> None:
+    """Fail at the start, in one line, when ``folder`` cannot take files (not after training)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".modbench-write-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ModbenchError(f"{what} {folder} is not writable ({e.strerror}): pick another folder") from None

@@ -117,9 +117,9 @@ def _first_line(exc: BaseException) -> str:
 
 def _unreachable(uri: str, reason: str) -> ModbenchError:
     return ModbenchError(
-        f"cannot reach MLflow tracking store at {uri}: {reason}; set MLFLOW_TRACKING_URI "
-        "to a reachable server or database (default: sqlite:///<cwd>/mlflow.db), "
-        "or run with --no-track"
+        f"cannot reach MLflow tracking store at {redact(uri)}: {reason}; pass --tracking-uri (or set "
+        "MLFLOW_TRACKING_URI) with a reachable server or database (default: sqlite:///<cwd>/mlflow.db); "
+        "'modbench train' can also run with --no-track"
     )
 
 
