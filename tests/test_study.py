@@ -139,7 +139,7 @@ def test_killed_worker_trial_is_retried_and_its_mlflow_run_failed(tmp_path, reru
                     break
             except ModbenchError:
                 pass
-            time.sleep(0.1)
+            time.sleep(0.3)
         else:
             pytest.fail("worker never reached a running second trial")
         worker.send_signal(signal.SIGKILL)
@@ -301,7 +301,7 @@ def test_interrupted_trial_is_requeued_and_a_rerun_completes_the_grid(tmp_path, 
                     break
             except ModbenchError:
                 pass
-            time.sleep(0.1)
+            time.sleep(0.3)
         else:
             pytest.fail("no trial started")
         victim = running.iloc[0]

@@ -76,11 +76,23 @@ def hide_password(url: str) -> str:
 
 
 def trials_frame(name: str, storage: str):
-    """Every trial of a study as a pandas frame (state, arm, seed, objectives, user attrs)."""
+    """Every trial of a study as a pandas frame (state, arm, seed, objectives, user attrs).
+
+    The storage's connection pool is closed before returning: a caller that polls (a test
+    waiting for a trial, a status loop) must not leak a PostgreSQL connection per call.
+    """
+    rdb = connect_storage(storage)
+    try:
+        return _frame_of(name, storage, rdb)
+    finally:
+        rdb.engine.dispose()
+
+
+def _frame_of(name: str, storage: str, rdb: optuna.storages.RDBStorage):
     import pandas as pd
 
     try:
-        study = optuna.load_study(study_name=name, storage=connect_storage(storage))
+        study = optuna.load_study(study_name=name, storage=rdb)
     except KeyError:
         raise ModbenchError(f"no study named {name!r} in {hide_password(storage)}: run 'modbench study run "
                             "<study file>' first, or pass the --storage it ran on") from None
