@@ -110,6 +110,23 @@ def test_status_command_json(tmp_cwd, capsys):
     assert out["trials"] == {"COMPLETE": 1, "WAITING": 3}
 
 
+def running_trial(name: str, storage: str, *, completed: int, timeout_s: float = 300):
+    """Wait for an event, never a fixed time: ``completed`` trials done and one RUNNING trial
+    that has opened its MLflow run (so Optuna has recorded its first heartbeat). Returns it."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            df = trials_frame(name, storage)
+            running = df[df.state == "RUNNING"]
+            if (df.state == "COMPLETE").sum() >= completed and len(running) == 1 \
+                    and isinstance(running.iloc[0].mlflow_run_id, str):
+                return running.iloc[0]
+        except ModbenchError:
+            pass
+        time.sleep(0.3)
+    pytest.fail(f"no running trial after {completed} completed ones within {timeout_s:g} s")
+
+
 def storages(tmp: Path, name: str):
     return POSTGRES or sqlite_url(tmp, name)
 
@@ -129,19 +146,8 @@ def test_killed_worker_trial_is_retried_and_its_mlflow_run_failed(tmp_path, reru
     grace = "3" if rerun == "after_grace" else "600"
     args = ["study", "run", str(path), "--storage", storage, "--heartbeat", "1", "--grace", grace, "--quiet"]
     worker = cli(*args, cwd=tmp_path, wait=False)
-    deadline = time.time() + 300
     try:
-        while time.time() < deadline:
-            try:
-                df = trials_frame(name, storage)
-                running = df[df.state == "RUNNING"]
-                if (df.state == "COMPLETE").sum() >= 1 and len(running) == 1 and isinstance(running.iloc[0].mlflow_run_id, str):
-                    break
-            except ModbenchError:
-                pass
-            time.sleep(0.3)
-        else:
-            pytest.fail("worker never reached a running second trial")
+        running_trial(name, storage, completed=1)
         worker.send_signal(signal.SIGKILL)
         worker.wait(timeout=30)
     finally:
@@ -291,20 +297,8 @@ def test_interrupted_trial_is_requeued_and_a_rerun_completes_the_grid(tmp_path, 
     path = smoke_variant(tmp_path, name, steps=600, seeds=(0,))
     storage = sqlite_url(tmp_path, name)
     worker = cli("study", "run", str(path), "--heartbeat", "1", cwd=tmp_path, wait=False)
-    deadline = time.time() + 300
     try:
-        while time.time() < deadline:
-            try:
-                df = trials_frame(name, storage)
-                running = df[df.state == "RUNNING"]
-                if len(running) == 1 and isinstance(running.iloc[0].mlflow_run_id, str):
-                    break
-            except ModbenchError:
-                pass
-            time.sleep(0.3)
-        else:
-            pytest.fail("no trial started")
-        victim = running.iloc[0]
+        victim = running_trial(name, storage, completed=0)
         worker.send_signal(sig)
         out, _ = worker.communicate(timeout=120)
     finally:

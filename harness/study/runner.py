@@ -32,7 +32,11 @@ from optuna.trial import TrialState
 
 from modbench.errors import ModbenchError, redact
 from modbench.results import RunRecord
-from modbench.config.study import Arm, Range, Study, canonical_arm, load_study
+from modbench.config.study import Arm, Study, load_study
+from modbench.study.points import (
+    FIXED_ATTR, arm_of, fixed_settings, grid_attrs, point_attrs, queue_new_grid_points,
+    refuse_changed_fixed_settings, suggest_arm,
+)
 from modbench.track.checkpoint import check_writable
 from modbench.track.optuna_store import connect_storage, default_storage, hide_password, study_dir
 from modbench.track.tracking import Tracker, fail_stale_runs
@@ -40,7 +44,6 @@ from modbench.run.train import train
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 PARENT_ATTR = "mlflow_parent_run_id"  # set once the study is fully created (see _create_or_load)
-FIXED_ATTR = "fixed_settings"  # what every trial shares (model, train, options, objectives)
 CREATION_WAIT_S = 300.0  # how long a worker waits for another to finish creating the study
 
 
@@ -97,38 +100,6 @@ def open_storage(url: str, experiment: str, *, tracking_uri: str, heartbeat: int
                                heartbeat_stale_trial_callback=on_stale)
 
 
-def fixed_settings(study: Study) -> dict[str, str]:
-    """The settings every trial shares; a study file may add arms and seeds, never change these."""
-    return {**{f"base.{k}": repr(v) for k, v in study.base.to_dict().items()
-               if k not in ("train.seed", "train.out_dir", "train.run_name", "train.experiment", "train.track")},
-            **{f"options.{v}.{k}": repr(x) for v, table in sorted(study.options.items()) for k, x in table.items()},
-            "study.objectives": repr(list(study.settings.objectives))}
-
-
-def _refuse_changed_fixed_settings(optuna_study: optuna.Study, s: Study, storage_url: str) -> None:
-    before = optuna_study.user_attrs.get(FIXED_ATTR)
-    if before is None:
-        return  # a study created before modbench recorded them
-    now = fixed_settings(s)
-    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
-    if changed:
-        raise ModbenchError(
-            f"{s.path} changes settings that study {s.name!r} in {hide_password(storage_url)} fixed when it was created "
-            f"({', '.join(changed[:6])}{', …' if len(changed) > 6 else ''}): its trials would not be comparable; "
-            f"give the study a new name (study.name) to start a new one, or restore those settings"
-        )
-
-
-def _queue_new_grid_points(optuna_study: optuna.Study, s: Study) -> None:
-    """Arms or seeds added to the study file since the study was created are queued now."""
-    have = {(t.user_attrs.get("arm"), t.user_attrs.get("seed")) for t in optuna_study.get_trials(deepcopy=False)
-            if not t.user_attrs.get("surplus") and not t.user_attrs.get("requeued")}
-    for arm in s.arms():
-        for seed in s.settings.seeds:
-            if (arm.label, seed) not in have:
-                optuna_study.enqueue_trial({}, user_attrs=grid_attrs(arm, seed))
-
-
 def make_sampler(study: Study) -> optuna.samplers.BaseSampler:
     seed = study.settings.seeds[0]
     return {
@@ -145,51 +116,6 @@ def make_pruner(study: Study) -> optuna.pruners.BasePruner:
         "median": lambda: optuna.pruners.MedianPruner(n_startup_trials=len(study.settings.seeds), n_warmup_steps=1),
         "hyperband": optuna.pruners.HyperbandPruner,
     }[study.settings.pruner]()
-
-
-def arm_params(arm: Arm) -> dict[str, Any]:
-    """Optuna params of an arm; dense has no capacity, pattern or schedule (conditional space)."""
-    params = {"variant": arm.variant}
-    if arm.variant != "dense":
-        params.update(capacity=arm.capacity, pattern=arm.pattern, schedule=arm.schedule)
-    params.update(lr_mult=arm.lr_mult, depth=arm.depth, budget=arm.budget)
-    return params
-
-
-def grid_attrs(arm: Arm, seed: int) -> dict[str, Any]:
-    """A grid point as trial user attributes. A grid samples nothing, so its arm is not an Optuna
-    param: params would fix the study's search space at creation, and an arm added to the study
-    file later could not be queued (Optuna refuses new categorical choices)."""
-    return {"seed": seed, "arm": arm.label, "arm_params": arm_params(arm)}
-
-
-def _point_attrs(user_attrs: dict[str, Any]) -> dict[str, Any]:
-    """The attributes that say which (arm, seed) a trial is, to queue the same point again."""
-    return {k: user_attrs[k] for k in ("seed", "arm", "arm_params") if k in user_attrs}
-
-
-def arm_of(trial: optuna.Trial, study: Study) -> Arm:
-    """The trial's arm: from its grid attributes, else suggested by the sampler."""
-    fixed = trial.user_attrs.get("arm_params")
-    if fixed is None:
-        return suggest_arm(trial, study)
-    dense = fixed["variant"] == "dense"
-    return canonical_arm(fixed["variant"], 1.0 if dense else fixed["capacity"], "-" if dense else fixed["pattern"],
-                         "constant" if dense else fixed["schedule"], fixed["lr_mult"], fixed["depth"], fixed["budget"])
-
-
-def suggest_arm(trial: optuna.Trial, study: Study) -> Arm:
-    space = study.space
-
-    def pick(name: str):
-        choices = space[name]
-        if isinstance(choices, Range):
-            return trial.suggest_float(name, choices.low, choices.high, log=choices.log)
-        return trial.suggest_categorical(name, choices)
-
-    variant = pick("variant")
-    capacity, pattern, schedule = (1.0, "-", "constant") if variant == "dense" else (pick("capacity"), pick("pattern"), pick("schedule"))
-    return canonical_arm(variant, capacity, pattern, schedule, pick("lr_mult"), pick("depth"), pick("budget"))
 
 
 def objective_values(study: Study, record: RunRecord) -> list[float]:
@@ -245,7 +171,7 @@ class Runner:
         else:
             if study.directions != [optuna.study.StudyDirection.MINIMIZE if d == "minimize" else optuna.study.StudyDirection.MAXIMIZE for d in s.directions]:
                 raise ModbenchError(f"study {s.name!r} in {self.storage_url} has other objectives than {s.path}: give the study a new name")
-            _refuse_changed_fixed_settings(study, s, self.storage_url)
+            refuse_changed_fixed_settings(study, s, self.storage_url)
             deadline = time.monotonic() + CREATION_WAIT_S
             while PARENT_ATTR not in study.user_attrs:  # a worker that lost the creation race waits
                 if time.monotonic() > deadline:
@@ -257,7 +183,7 @@ class Runner:
                 time.sleep(0.2)
                 study = optuna.load_study(storage=self.storage, study_name=s.name, sampler=kwargs["sampler"], pruner=kwargs["pruner"])
             if s.settings.sampler == "grid" and study.user_attrs.get("study_file_sha256") != s.file_sha256:
-                _queue_new_grid_points(study, s)  # the first worker to see the edited file queues what it adds
+                queue_new_grid_points(study, s)  # the first worker to see the edited file queues what it adds
                 study.set_user_attr("study_file_sha256", s.file_sha256)
         return study
 
@@ -342,7 +268,7 @@ class Runner:
             run_id = t.user_attrs.get("mlflow_run_id")
             if run_id:
                 fail_stale_runs(self.study.name, uri=self.tracking_uri, run_ids=[run_id])
-            self.optuna.enqueue_trial(t.params, user_attrs=_point_attrs(t.user_attrs))
+            self.optuna.enqueue_trial(t.params, user_attrs=point_attrs(t.user_attrs))
             print(f"modbench: trial {t.number} ({t.user_attrs.get('arm')}, seed {t.user_attrs.get('seed')}) lost its "
                   f"worker (pid {pid} on this host is gone): queued again", file=sys.stderr)
 
@@ -357,7 +283,7 @@ class Runner:
     def _requeue(self, trial: optuna.Trial, arm: Arm, seed: int) -> None:
         """Queue the interrupted (arm, seed) again; Optuna marks this trial FAIL, the report skips it."""
         trial.set_user_attr("requeued", True)
-        self.optuna.enqueue_trial(trial.params, user_attrs=_point_attrs(trial.user_attrs))
+        self.optuna.enqueue_trial(trial.params, user_attrs=point_attrs(trial.user_attrs))
         self.interrupted = f"trial {trial.number} ({arm.label}, seed {seed})"
 
     # --- the worker loop ----------------------------------------------------------------------

@@ -1,0 +1,97 @@
+"""A study's points: which (arm, seed) a trial is, and what every trial of a study shares.
+
+A grid point is stored as trial user attributes (``grid_attrs``), not as Optuna params: params
+would fix the study's search space at creation, so an arm added to the study file later could
+not be queued. Sampled studies (TPE, NSGA-II) suggest their arms as params (``suggest_arm``).
+A study file may add arms and seeds to a study; the settings every trial shares
+(``fixed_settings``) may not change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optuna
+
+from modbench.config.study import Arm, Range, Study, canonical_arm
+from modbench.errors import ModbenchError
+from modbench.track.optuna_store import hide_password
+
+FIXED_ATTR = "fixed_settings"  # what every trial shares (model, train, options, objectives)
+
+
+def fixed_settings(study: Study) -> dict[str, str]:
+    """The settings every trial shares; a study file may add arms and seeds, never change these."""
+    return {**{f"base.{k}": repr(v) for k, v in study.base.to_dict().items()
+               if k not in ("train.seed", "train.out_dir", "train.run_name", "train.experiment", "train.track")},
+            **{f"options.{v}.{k}": repr(x) for v, table in sorted(study.options.items()) for k, x in table.items()},
+            "study.objectives": repr(list(study.settings.objectives))}
+
+
+def refuse_changed_fixed_settings(optuna_study: optuna.Study, s: Study, storage_url: str) -> None:
+    before = optuna_study.user_attrs.get(FIXED_ATTR)
+    if before is None:
+        return  # a study created before modbench recorded them
+    now = fixed_settings(s)
+    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    if changed:
+        raise ModbenchError(
+            f"{s.path} changes settings that study {s.name!r} in {hide_password(storage_url)} fixed when it was created "
+            f"({', '.join(changed[:6])}{', …' if len(changed) > 6 else ''}): its trials would not be comparable; "
+            f"give the study a new name (study.name) to start a new one, or restore those settings"
+        )
+
+
+def queue_new_grid_points(optuna_study: optuna.Study, s: Study) -> None:
+    """Arms or seeds added to the study file since the study was created are queued now."""
+    have = {(t.user_attrs.get("arm"), t.user_attrs.get("seed")) for t in optuna_study.get_trials(deepcopy=False)
+            if not t.user_attrs.get("surplus") and not t.user_attrs.get("requeued")}
+    for arm in s.arms():
+        for seed in s.settings.seeds:
+            if (arm.label, seed) not in have:
+                optuna_study.enqueue_trial({}, user_attrs=grid_attrs(arm, seed))
+
+
+def arm_params(arm: Arm) -> dict[str, Any]:
+    """Optuna params of an arm; dense has no capacity, pattern or schedule (conditional space)."""
+    params = {"variant": arm.variant}
+    if arm.variant != "dense":
+        params.update(capacity=arm.capacity, pattern=arm.pattern, schedule=arm.schedule)
+    params.update(lr_mult=arm.lr_mult, depth=arm.depth, budget=arm.budget)
+    return params
+
+
+def grid_attrs(arm: Arm, seed: int) -> dict[str, Any]:
+    """A grid point as trial user attributes. A grid samples nothing, so its arm is not an Optuna
+    param: params would fix the study's search space at creation, and an arm added to the study
+    file later could not be queued (Optuna refuses new categorical choices)."""
+    return {"seed": seed, "arm": arm.label, "arm_params": arm_params(arm)}
+
+
+def point_attrs(user_attrs: dict[str, Any]) -> dict[str, Any]:
+    """The attributes that say which (arm, seed) a trial is, to queue the same point again."""
+    return {k: user_attrs[k] for k in ("seed", "arm", "arm_params") if k in user_attrs}
+
+
+def arm_of(trial: optuna.Trial, study: Study) -> Arm:
+    """The trial's arm: from its grid attributes, else suggested by the sampler."""
+    fixed = trial.user_attrs.get("arm_params")
+    if fixed is None:
+        return suggest_arm(trial, study)
+    dense = fixed["variant"] == "dense"
+    return canonical_arm(fixed["variant"], 1.0 if dense else fixed["capacity"], "-" if dense else fixed["pattern"],
+                         "constant" if dense else fixed["schedule"], fixed["lr_mult"], fixed["depth"], fixed["budget"])
+
+
+def suggest_arm(trial: optuna.Trial, study: Study) -> Arm:
+    space = study.space
+
+    def pick(name: str):
+        choices = space[name]
+        if isinstance(choices, Range):
+            return trial.suggest_float(name, choices.low, choices.high, log=choices.log)
+        return trial.suggest_categorical(name, choices)
+
+    variant = pick("variant")
+    capacity, pattern, schedule = (1.0, "-", "constant") if variant == "dense" else (pick("capacity"), pick("pattern"), pick("schedule"))
+    return canonical_arm(variant, capacity, pattern, schedule, pick("lr_mult"), pick("depth"), pick("budget"))
