@@ -14,8 +14,7 @@ from typing import Any
 import optuna
 
 from modbench.config.study import Arm, Range, Study, canonical_arm
-from modbench.errors import ModbenchError
-from modbench.track.optuna_store import hide_password
+from modbench.errors import ModbenchError, redact
 
 FIXED_ATTR = "fixed_settings"  # what every trial shares (model, train, options, objectives)
 
@@ -36,7 +35,7 @@ def refuse_changed_fixed_settings(optuna_study: optuna.Study, s: Study, storage_
     changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
     if changed:
         raise ModbenchError(
-            f"{s.path} changes settings that study {s.name!r} in {hide_password(storage_url)} fixed when it was created "
+            f"{s.path} changes settings that study {s.name!r} in {redact(storage_url)} fixed when it was created "
             f"({', '.join(changed[:6])}{', …' if len(changed) > 6 else ''}): its trials would not be comparable; "
             f"give the study a new name (study.name) to start a new one, or restore those settings"
         )

@@ -38,7 +38,7 @@ from modbench.study.points import (
     refuse_changed_fixed_settings, suggest_arm,
 )
 from modbench.track.checkpoint import check_writable
-from modbench.track.optuna_store import connect_storage, default_storage, hide_password, study_dir
+from modbench.track.optuna_store import connect_storage, default_storage, study_dir
 from modbench.track.tracking import Tracker, fail_stale_runs
 from modbench.run.train import train
 
@@ -176,7 +176,7 @@ class Runner:
             while PARENT_ATTR not in study.user_attrs:  # a worker that lost the creation race waits
                 if time.monotonic() > deadline:
                     raise ModbenchError(
-                        f"study {s.name!r} in {hide_password(self.storage_url)} was created but never finished "
+                        f"study {s.name!r} in {redact(self.storage_url)} was created but never finished "
                         f"initialising (its creating worker may have died within {CREATION_WAIT_S:g} s): "
                         f"delete it (optuna delete-study --study-name {s.name} --storage URL) or rename the study"
                     )

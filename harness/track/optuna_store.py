@@ -12,7 +12,7 @@ from pathlib import Path
 import optuna
 
 from modbench.config.study import Study
-from modbench.errors import ModbenchError
+from modbench.errors import ModbenchError, redact
 from modbench.results import METRICS
 
 
@@ -41,7 +41,7 @@ def connect_storage(url: str, **kwargs) -> optuna.storages.RDBStorage:
     except Exception as e:  # sqlalchemy raises many kinds; the user needs the URL and the reason
         reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)[:200]
         raise ModbenchError(
-            f"cannot open Optuna storage {hide_password(url)!r}: {reason}; check the URL and that the database "
+            f"cannot open Optuna storage {redact(url)!r}: {reason}; check the URL and that the database "
             "server is running (e.g. postgresql+psycopg://user@host:5432/db or sqlite:///path/optuna.db)"
         ) from None
 
@@ -66,15 +66,6 @@ def _sqlite_creation_lock(url: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def hide_password(url: str) -> str:
-    try:
-        from sqlalchemy.engine import make_url
-
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # not even a URL: show it as given
-        return url
-
-
 def trials_frame(name: str, storage: str):
     """Every trial of a study as a pandas frame (state, arm, seed, objectives, user attrs).
 
@@ -94,7 +85,7 @@ def _frame_of(name: str, storage: str, rdb: optuna.storages.RDBStorage):
     try:
         study = optuna.load_study(study_name=name, storage=rdb)
     except KeyError:
-        raise ModbenchError(f"no study named {name!r} in {hide_password(storage)}: run 'modbench study run "
+        raise ModbenchError(f"no study named {name!r} in {redact(storage)}: run 'modbench study run "
                             "<study file>' first, or pass the --storage it ran on") from None
     columns = ["number", "state", "arm", "seed", *METRICS, "steps", "mlflow_run_id", "worker"]
     rows = []
