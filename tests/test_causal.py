@@ -177,6 +177,8 @@ def test_mode_metrics_are_in_range(name):
     r = evaluate(m, x, y, batch_size=4, device=torch.device("cpu"), modes=True)
     for key in ("causal_agreement", "causal_fraction", "topk_leak_rate"):
         assert 0.0 <= r[key] <= 1.0, key
+    for key in ("causal_precision", "causal_recall", "causal_chance_agreement"):
+        assert (key in r) == (name != "dense") and 0.0 <= r.get(key, 0.0) <= 1.0, key
     assert r["causal_gap"] == pytest.approx(r["causal_bpb"] - r["bpb"])
     assert r["dense_gap"] == pytest.approx(r["dense_bpb"] - r["bpb"])
     assert all(math.isfinite(v) for v in r.values())
@@ -186,9 +188,22 @@ def test_mode_metrics_are_in_range(name):
         n_routed = sum(isinstance(layer, RoutedBlock) for layer in m.layers)
         assert len([k for k in r if k.startswith("causal_agreement_L")]) == n_routed
         if not name.startswith("random"):  # (the random controls draw their top-k from the RNG)
-            per_layer = causal_agreement(m, x[:4])  # evaluate probes the first 4 windows
+            per_layer = causal_agreement(m, x[:16])  # evaluate probes the first 16 windows
             assert r["causal_agreement"] == pytest.approx(sum(per_layer) / len(per_layer))
     assert m.training is False  # evaluate restores the mode it found
+
+
+def test_causal_confusion_counts_against_topk_and_its_chance_level(monkeypatch):
+    """Hand-made decisions: 8 tokens, top-k picks 2, the rule processes 4 of which 1 is right."""
+    from modbench.run import causal_eval
+
+    decide = torch.tensor([[1, 1, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    member = torch.tensor([[1, 0, 0, 0, 1, 0, 0, 0]], dtype=torch.bool)
+    monkeypatch.setattr(causal_eval, "causal_decisions", lambda model, x: [(decide, member)])
+    r = causal_eval.causal_confusion(None, None)
+    assert r["causal_precision"] == 0.25 and r["causal_recall"] == 0.5
+    assert r["causal_chance_agreement"] == 0.5 * 0.25 + 0.5 * 0.75  # q = 4/8, c = 2/8
+    assert causal_eval.causal_agreement(None, None) == [0.5]  # 4 of 8 agree: exactly chance
 
 
 def test_sigmoid_aux_loss_teaches_the_causal_rule():

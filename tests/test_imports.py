@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "run": {"errors", "results", "config", "data", "variants", "model", "track"},
     "bench": {"errors", "config", "variants", "model"},
     "report": {"errors", "results", "config", "data", "variants", "model", "track"},
-    "study": {"errors", "results", "config", "data", "run", "track"},
+    "study": {"errors", "results", "config", "data", "model", "run", "track"},
     "cli": {"errors", "results", "config", "data", "variants", "model", "track", "run", "bench", "report", "study"},
 }
 

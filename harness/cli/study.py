@@ -70,11 +70,12 @@ def status(args) -> int:
 def list_studies(args) -> int:
     """The studies shipped with modbench: name, size (arms × seeds), first line of the description."""
     from modbench.config.study import load_study, shipped_studies
+    from modbench.model.sizing import study_arms
 
     rows = []
     for name, path in sorted(shipped_studies().items()):
         s = load_study(path)
-        arms = len(s.arms()) if s.settings.sampler == "grid" else s.settings.n_trials
+        arms = len(study_arms(s)) if s.settings.sampler == "grid" else s.settings.n_trials
         rows.append({"study": name, "trials": arms * len(s.settings.seeds),
                      "description": (s.settings.description.strip().splitlines() or [""])[0]})
     if args.json:
@@ -90,9 +91,16 @@ def show_study(args) -> int:
     """The study file's text (a shipped study by name, or a file)."""
     from modbench.config.study import find_study, load_study
 
+    from modbench.model.sizing import study_arms
+
     path = find_study(args.study)
-    load_study(path)  # a file that does not validate is an error here too
+    s = load_study(path)  # a file that does not validate is an error here too
     print(path.read_text(encoding="utf-8"), end="")
+    if s.settings.sampler == "grid":  # what will run, derived control arms included (as TOML comments)
+        arms = study_arms(s)
+        print(f"\n# The grid: {len(arms)} arms × {len(s.settings.seeds)} seeds")
+        for arm in arms:
+            print(f"#   {s.label(arm)}" + (f"  [{arm.budget}]" if arm.control.startswith("iso") else ""))
     return 0
 
 

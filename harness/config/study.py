@@ -9,6 +9,11 @@
     objectives = ["val/bpb"]     # val/bpb, val/causal_bpb, test/bpb, test/causal_bpb, perf/flops_per_token, perf/train_tokens_per_s
     n_trials = 0                 # model-based samplers: arms to sample (each runs every seed)
     timeout_s = 0                # stop starting new trials after this long (0: no limit)
+    controls = []                # derived control arms for each routed arm of [space] (grid only):
+                                 #   "matched_dense": a dense model whose FLOPs per token are within
+                                 #     3 % of the routed arm's (shallower and/or narrower), same budget;
+                                 #   "iso_token_dense": the base dense model trained on as many
+                                 #     tokens as the routed arm (more FLOPs; flops budgets only)
 
     [model]  …                   # ModelConfig fields, shared by every arm
     [train]  …                   # TrainConfig fields (dataset, budget, seq_len, …)
@@ -21,10 +26,17 @@
     schedule = ["constant"]      # "log" = the nanochat fork's log-scaled capacity
     lr_mult  = [1.0]
     depth    = [4]               # model sizes (iso-FLOP studies)
+    width    = [0]               # n_embd override (0: the [model] width); heads = width / head_dim
     budget   = ["flops=1e13"]    # training budgets (iso-FLOP studies)
 
+    [[space.also]]               # more grids, unioned with [space]; a key left out takes [space]'s list
+    variant = ["dense"]          #   e.g. a dense size sweep for the isoFLOP-optimal dense baseline
+    depth   = [2, 3, 4, 6]
+
 An *arm* is one point of the space; ``dense`` ignores capacity, pattern and schedule, so all
-dense points with the same depth, budget and lr_mult collapse into one arm.
+dense points with the same depth, width, budget and lr_mult collapse into one arm. Control arms
+(``study.controls``) are sized by the model's analytic FLOPs, so they are derived one layer up,
+in ``modbench.model.sizing`` (``study_arms``): this module only declares them.
 """
 
 from __future__ import annotations
@@ -52,11 +64,12 @@ SAMPLERS = ("grid", "tpe", "nsga2", "random")
 PRUNERS = ("none", "median", "hyperband")
 # Study objectives are declared metrics of modbench.results (old spellings such as val_bpb are aliases).
 OBJECTIVES = ("val/bpb", "val/causal_bpb", "test/bpb", "test/causal_bpb", "perf/flops_per_token", "perf/train_tokens_per_s")
-SPACE_KEYS = ("variant", "capacity", "pattern", "schedule", "lr_mult", "depth", "budget")
+SPACE_KEYS = ("variant", "capacity", "pattern", "schedule", "lr_mult", "depth", "budget", "width")
 SPACE_DEFAULTS: dict[str, list[Any]] = {
     "variant": ["dense"], "capacity": [0.125], "pattern": ["alternate"], "schedule": ["constant"],
-    "lr_mult": [1.0], "depth": [], "budget": [],
+    "lr_mult": [1.0], "depth": [], "budget": [], "width": [0],
 }
+CONTROLS = ("matched_dense", "iso_token_dense")
 TOP_KEYS = ("study", "model", "train", "options", "space")
 
 
@@ -70,6 +83,7 @@ class StudySettings:
     objectives: list = field(default_factory=lambda: ["val/bpb"])
     n_trials: int = 0
     timeout_s: float = 0.0
+    controls: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -88,22 +102,31 @@ class Arm:
     lr_mult: float
     depth: int
     budget: str
+    width: int = 0  # 0: the [model] width
+    control: str = ""  # for a derived control arm: what it controls ("matched to sigmoid C=0.125 alternate")
 
     @property
     def label(self) -> str:
         parts = [self.variant]
         if self.variant != "dense":
             parts += [f"C={self.capacity:g}", self.pattern] + (["log"] if self.schedule == "log" else [])
+        if self.width:
+            parts.append(f"L{self.depth} d{self.width}")
+        if self.lr_mult != 1.0:
+            parts.append(f"lr×{self.lr_mult:g}")
+        if self.control:
+            parts.append(f"({self.control})")
         return " ".join(parts)
 
     def params(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
-def canonical_arm(variant: str, capacity: float, pattern: str, schedule: str, lr_mult: float, depth: int, budget: str) -> Arm:
+def canonical_arm(variant: str, capacity: float, pattern: str, schedule: str, lr_mult: float, depth: int, budget: str,
+                  width: int = 0, control: str = "") -> Arm:
     if variant == "dense":
         capacity, pattern, schedule = 1.0, "-", "constant"
-    return Arm(variant, float(capacity), pattern, schedule, float(lr_mult), int(depth), budget)
+    return Arm(variant, float(capacity), pattern, schedule, float(lr_mult), int(depth), budget, int(width), control)
 
 
 @dataclass(frozen=True)
@@ -114,6 +137,7 @@ class Study:
     options: dict[str, dict[str, Any]]
     space: dict[str, Any]  # key -> list of choices, or Range for capacity / lr_mult
     file_sha256: str
+    also: tuple[dict[str, Any], ...] = ()  # [[space.also]]: more grids, each a full space like ``space``
 
     @property
     def name(self) -> str:
@@ -123,20 +147,44 @@ class Study:
     def directions(self) -> list[str]:
         return [metric(o).direction for o in self.settings.objectives]
 
+    def main_arms(self) -> list[Arm]:
+        """The arms of [space] alone: the ones ``study.controls`` derive controls for."""
+        return _grid(self.space)
+
     def arms(self) -> list[Arm]:
-        """Every distinct arm of a grid (choices only), in a stable order."""
-        lists = [self.space[k] for k in SPACE_KEYS]
+        """Every distinct declared arm of a grid ([space] and [[space.also]]), in a stable order.
+        Derived control arms are added by ``modbench.model.sizing.study_arms``."""
         seen: dict[Arm, None] = {}
-        for combo in itertools.product(*lists):
-            seen.setdefault(canonical_arm(*combo), None)
+        for space in (self.space, *self.also):
+            for arm in _grid(space):
+                seen.setdefault(arm, None)
         return list(seen)
+
+    def label(self, arm: Arm) -> str:
+        """The arm's name in this study: ``arm.label`` plus its depth and budget where they are
+        not the study's own (the run names and the report's rows)."""
+        parts = [arm.label]
+        if arm.depth != self.base.model.depth and not arm.width:
+            parts.append(f"L{arm.depth}")
+        if arm.budget != self.base.train.budget and not arm.control:
+            parts.append(arm.budget)
+        return " ".join(parts)
 
     def run_config(self, arm: Arm, seed: int, **train_overrides: Any) -> RunConfig:
         model = replace(self.base.model, depth=arm.depth)
+        if arm.width:
+            model = replace(model, n_embd=arm.width, n_head=max(1, arm.width // model.head_dim))
         routing = RoutingConfig(arm.variant, arm.capacity, arm.schedule, arm.pattern if arm.pattern != "-" else "alternate",
                                 dict(self.options.get(arm.variant, {})))
         train = replace(self.base.train, seed=seed, budget=arm.budget, lr=self.base.train.lr * arm.lr_mult, **train_overrides)
         return RunConfig(model, routing, train)
+
+
+def _grid(space: dict[str, Any]) -> list[Arm]:
+    seen: dict[Arm, None] = {}
+    for combo in itertools.product(*(space[k] for k in SPACE_KEYS)):
+        seen.setdefault(canonical_arm(*combo), None)
+    return list(seen)
 
 
 def _fail(path: Path, key: str, problem: str) -> ModbenchError:
@@ -145,15 +193,15 @@ def _fail(path: Path, key: str, problem: str) -> ModbenchError:
 
 def _choices(path: Path, key: str, value: Any, check) -> list[Any]:
     if not isinstance(value, list) or not value:
-        raise _fail(path, f"space.{key}", f"expected a non-empty list of choices, got {value!r}")
+        raise _fail(path, key, f"expected a non-empty list of choices, got {value!r}")
     out = []
     for v in value:
         try:
             out.append(check(v))
         except ModbenchError as e:
-            raise _fail(path, f"space.{key}", str(e)) from None
+            raise _fail(path, key, str(e)) from None
     if len(set(map(str, out))) != len(out):
-        raise _fail(path, f"space.{key}", f"lists a choice twice: {value!r}")
+        raise _fail(path, key, f"lists a choice twice: {value!r}")
     return out
 
 
@@ -186,6 +234,9 @@ def _load_settings(p: Path, raw: dict[str, Any]) -> StudySettings:
         raise _fail(p, "study.seeds", "lists a seed twice")
     if settings.n_trials < 0 or settings.timeout_s < 0 or math.isnan(settings.timeout_s):
         raise _fail(p, "study", "n_trials and timeout_s must be >= 0")
+    controls = settings.controls
+    if not isinstance(controls, list) or any(c not in CONTROLS for c in controls) or len(set(controls)) != len(controls):
+        raise _fail(p, "study.controls", f"{controls!r}: expected a list of distinct names from {accepted(CONTROLS)}")
 
     return settings
 
@@ -238,28 +289,23 @@ def load_study(path: str | Path) -> Study:
     space_raw = raw.get("space", {})
     if not isinstance(space_raw, dict) or not space_raw:
         raise _fail(p, "space", f"is empty: give at least 'variant'; accepted keys are {accepted(SPACE_KEYS)}")
-    for key in space_raw:
-        if key not in SPACE_KEYS:
-            raise _fail(p, f"space.{key}", f"unknown key; accepted keys are {accepted(SPACE_KEYS)}")
-    space: dict[str, Any] = {}
-    space["variant"] = _choices(p, "variant", space_raw.get("variant", SPACE_DEFAULTS["variant"]), lambda v: variants.get_variant(v).name)
-    for key, check in (("capacity", check_capacity), ("lr_mult", _positive)):
-        value = space_raw.get(key, SPACE_DEFAULTS[key])
-        if isinstance(value, dict):
-            space[key] = _range(p, key, value, check)
-        else:
-            space[key] = _choices(p, key, value, check)
-    space["depth"] = _choices(p, "depth", space_raw.get("depth", [base.model.depth]), _depth)
-    space["pattern"] = _choices(p, "pattern", space_raw.get("pattern", SPACE_DEFAULTS["pattern"]), _pattern_for(space["depth"], base))
-    space["schedule"] = _choices(p, "schedule", space_raw.get("schedule", SPACE_DEFAULTS["schedule"]), _schedule)
-    space["budget"] = _choices(p, "budget", space_raw.get("budget", [base.train.budget]), _budget)
-    ranged = [k for k in ("capacity", "lr_mult") if isinstance(space[k], Range)]
+    space_raw = dict(space_raw)
+    also_raw = space_raw.pop("also", [])
+    defaults = {**SPACE_DEFAULTS, "depth": [base.model.depth], "budget": [base.train.budget]}
+    space = _parse_space(p, "space", space_raw, defaults, base)
+    if not isinstance(also_raw, list) or not all(isinstance(t, dict) and t for t in also_raw):
+        raise _fail(p, "space.also", "expected [[space.also]] tables, each a grid such as variant = [\"dense\"], depth = [2, 4]")
+    also = tuple(_parse_space(p, f"space.also[{i}]", t, space, base) for i, t in enumerate(also_raw))
+    ranged = [k for k in ("capacity", "lr_mult") if any(isinstance(sp[k], Range) for sp in (space, *also))]
     if ranged and settings.sampler == "grid":
         raise _fail(p, f"space.{ranged[0]}", "a {low, high} range needs a model-based sampler ('tpe', 'random' or 'nsga2'); a grid needs a list of choices")
+    if settings.sampler != "grid" and (also or settings.controls):
+        raise _fail(p, "space.also" if also else "study.controls", f"sampler {settings.sampler!r} samples one space: "
+                    "[[space.also]] grids and controls need sampler = \"grid\"")
     if settings.sampler != "grid" and settings.n_trials < 1:
         raise _fail(p, "study.n_trials", f"sampler {settings.sampler!r} needs n_trials >= 1 (arms to sample)")
     digest = hashlib.sha256(p.read_bytes()).hexdigest()
-    study = Study(p, settings, base, options, space, digest)
+    study = Study(p, settings, base, options, space, digest, also)
     if settings.sampler == "grid":
         for arm in study.arms():  # build every arm's config once, through the one loader: bad ones fail now
             try:
@@ -267,6 +313,43 @@ def load_study(path: str | Path) -> Study:
             except ModbenchError as e:
                 raise _fail(p, "space", f"arm {arm.label!r}: {e}") from None
     return study
+
+
+def _parse_space(p: Path, where: str, raw: dict[str, Any], defaults: dict[str, Any], base: RunConfig) -> dict[str, Any]:
+    """One grid's table: every key a validated list of choices (or a Range); missing keys take ``defaults``."""
+    for key in raw:
+        if key not in SPACE_KEYS:
+            raise _fail(p, f"{where}.{key}", f"unknown key; accepted keys are {accepted(SPACE_KEYS)}"
+                        + (" (and [[space.also]] in [space])" if where == "space" else ""))
+
+    def choices(key: str, check) -> Any:
+        if key not in raw:
+            return defaults[key]
+        value = raw[key]
+        if isinstance(value, dict) and key in ("capacity", "lr_mult"):
+            return _range(p, f"{where}.{key}", value, check)
+        return _choices(p, f"{where}.{key}", value, check)
+
+    space: dict[str, Any] = {"variant": choices("variant", lambda v: variants.get_variant(v).name)}
+    space["capacity"] = choices("capacity", check_capacity)
+    space["lr_mult"] = choices("lr_mult", _positive)
+    space["depth"] = choices("depth", _depth)
+    space["pattern"] = choices("pattern", _pattern_for(space["depth"], base))
+    space["schedule"] = choices("schedule", _schedule)
+    space["budget"] = choices("budget", _budget)
+    space["width"] = choices("width", _width_for(base))
+    return space
+
+
+def _width_for(base: RunConfig):
+    def check(v: Any) -> int:
+        hd = base.model.head_dim
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (v and (v % hd or v > 65536)):
+            raise ModbenchError(f"width {v!r} is not accepted: expected 0 (the [model] width) or a multiple of "
+                                f"model.head_dim = {hd} up to 65536")
+        return v
+
+    return check
 
 
 def _positive(v: Any) -> float:
@@ -308,14 +391,14 @@ def _pattern_for(depths: list[int], base: RunConfig):
 def _range(path: Path, key: str, table: dict, check) -> Range:
     extra = set(table) - {"low", "high", "log"}
     if extra or "low" not in table or "high" not in table:
-        raise _fail(path, f"space.{key}", f"a range is {{low = …, high = …, log = true|false}}, got {table!r}")
+        raise _fail(path, key, f"a range is {{low = …, high = …, log = true|false}}, got {table!r}")
     try:
         low, high = check(table["low"]), check(table["high"])
     except ModbenchError as e:
-        raise _fail(path, f"space.{key}", str(e)) from None
+        raise _fail(path, key, str(e)) from None
     if not low < high:
-        raise _fail(path, f"space.{key}", f"low {low} must be below high {high}")
+        raise _fail(path, key, f"low {low} must be below high {high}")
     log = table.get("log", False)
     if not isinstance(log, bool):
-        raise _fail(path, f"space.{key}", "log must be true or false")
+        raise _fail(path, key, "log must be true or false")
     return Range(low, high, log)

@@ -26,6 +26,7 @@ from modbench.report.routing_analysis import analyse
 from modbench.report.stats import compare_to_baseline, holm, pareto_front, summarize
 from modbench.report.stats_text import describe_comparison
 from modbench.config.study import load_study
+from modbench.model.sizing import study_arms
 
 ALPHA = 0.05
 SPEED_SPREAD_TOLERANCE = 1.25  # fastest / slowest seed of one arm above this: the machine was busy
@@ -121,7 +122,7 @@ def build_report(study_path: str | Path, *, uri: str, storage: str | None = None
     data.curves.to_csv(dest / "curves.csv", index=False)
     lines = [f"# Study report: {study.name}", "", study.settings.description, ""]
     counts = data.trials.state.value_counts().to_dict() if len(data.trials) else {}
-    expected = (len(study.arms()) if study.settings.sampler == "grid" else study.settings.n_trials) * len(study.settings.seeds)
+    expected = (len(study_arms(study)) if study.settings.sampler == "grid" else study.settings.n_trials) * len(study.settings.seeds)
     lines += [f"Trials: {counts.get('COMPLETE', 0)} complete of {expected} planned"
               + "".join(f", {n} {s.lower()}" for s, n in sorted(counts.items()) if s != "COMPLETE")
               + f"; seeds per arm: {len(study.settings.seeds)}; dataset `{study.base.train.dataset}`; "

@@ -15,12 +15,13 @@ import pandas as pd
 from modbench.track.optuna_store import default_storage, trials_frame
 from modbench.config.study import Study
 
-ARM_KEYS = ("variant", "capacity", "pattern", "schedule", "lr_mult", "depth", "budget")
+ARM_KEYS = ("variant", "capacity", "pattern", "schedule", "lr_mult", "depth", "budget", "width", "control")
 GROUP_KEYS = ("depth", "budget", "lr_mult")
 FINAL_METRICS = (
     "val/causal_bpb", "val/dense_bpb", "val/causal_gap", "val/dense_gap", "val/causal_agreement",
     "val/causal_fraction", "val/topk_leak_rate", "val/hard_precision", "val/hard_recall", "val/hard_base_rate",
-    "perf/logging_overhead",
+    "perf/logging_overhead", "val/causal_precision", "val/causal_recall", "val/causal_chance_agreement",
+    "test/causal_bpb", "test/causal_fraction", "test/dense_bpb",
 )
 
 
@@ -42,9 +43,13 @@ def _label(row: pd.Series, varying: set[str]) -> str:
             parts.append(row["pattern"])
         if row.get("schedule") == "log":
             parts.append("log")
-    if "depth" in varying:
+    if row.get("width") and not pd.isna(row["width"]) and int(row["width"]):
+        parts.append(f"L{int(row['depth'])} d{int(row['width'])}")
+    elif "depth" in varying:
         parts.append(f"depth={int(row['depth'])}")
-    if "budget" in varying:
+    if isinstance(row.get("control"), str) and row["control"]:
+        parts.append(f"({row['control']})")
+    elif "budget" in varying:
         parts.append(row["budget"])
     if "lr_mult" in varying:
         parts.append(f"lr×{row['lr_mult']:g}")

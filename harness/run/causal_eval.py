@@ -63,8 +63,8 @@ def calibrate_causal_rules(model: GPT, batches: Iterable[Tensor], *, autocast: t
 
 # --- train/inference gap metrics ----------------------------------------------------------
 @torch.no_grad()
-def causal_agreement(model: GPT, x: Tensor) -> list[float]:
-    """Per routed layer: accuracy of ``decide_causal`` against top-k membership.
+def causal_decisions(model: GPT, x: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """Per routed layer: (``decide_causal``, top-k membership), (B, T) bool each.
 
     Both are evaluated on the same teacher-forced (top-k mode) hidden state of each layer:
     the question is how well the causal rule imitates the rule the model was trained with.
@@ -81,11 +81,32 @@ def causal_agreement(model: GPT, x: Tensor) -> list[float]:
         model.set_collect_stats(False)
         for r in routers:
             r.collect_causal = False
-    agreement = []
-    for s in out.stats:
-        member = torch.zeros_like(s["causal_decide"]).scatter_(1, s["layer_index"], True)
-        agreement.append((s["causal_decide"] == member).float().mean().item())
-    return agreement
+    return [(s["causal_decide"], torch.zeros_like(s["causal_decide"]).scatter_(1, s["layer_index"], True))
+            for s in out.stats]
+
+
+def causal_agreement(model: GPT, x: Tensor) -> list[float]:
+    """Per routed layer: accuracy of ``decide_causal`` against top-k membership."""
+    return [(decide == member).float().mean().item() for decide, member in causal_decisions(model, x)]
+
+
+def causal_confusion(model: GPT, x: Tensor) -> dict[str, float]:
+    """The causal rule as a predictor of top-k membership, pooled over routed layers.
+
+    precision: processed tokens that top-k also selects; recall: top-k selections the rule
+    also processes; chance: the agreement of a rule that processes the same fraction q of
+    tokens independently of top-k (whose fraction is c): q·c + (1 − q)(1 − c). At C = 0.125
+    an always-skip rule already agrees on 87.5 % of tokens, so agreement means little without it.
+    """
+    pairs = causal_decisions(model, x)
+    if not pairs:
+        return {}
+    decide = torch.cat([d.flatten() for d, _ in pairs])
+    member = torch.cat([m.flatten() for _, m in pairs])
+    q, c = decide.float().mean().item(), member.float().mean().item()
+    both = (decide & member).sum().item()
+    return {"causal_precision": both / max(decide.sum().item(), 1), "causal_recall": both / max(member.sum().item(), 1),
+            "causal_chance_agreement": q * c + (1 - q) * (1 - c)}
 
 
 @torch.no_grad()
@@ -129,7 +150,7 @@ def causal_metrics(
     batch_size: int,
     device: torch.device,
     autocast: torch.autocast | None = None,
-    probe_windows: int = 4,
+    probe_windows: int = 16,
 ) -> dict[str, float]:
     """bpb in causal and dense mode on all windows; agreement and leak on a few of them.
 
@@ -170,6 +191,7 @@ def _causal_metrics(model, x, y, batch_size, device, autocast, probe_windows) ->
     probe = x[:probe_windows].to(device)
     with autocast or nullcontext():
         agreement = causal_agreement(model, probe)
+        confusion = causal_confusion(model, probe)
         leak = leak_rate(model, probe) if model.routers else 0.0
     result = {
         "causal_bpb": losses["causal"] / math.log(2),
@@ -177,6 +199,7 @@ def _causal_metrics(model, x, y, batch_size, device, autocast, probe_windows) ->
         "causal_fraction": processed / total if total else 1.0,
         "causal_agreement": sum(agreement) / len(agreement) if agreement else 1.0,
         "topk_leak_rate": leak,
+        **confusion,
     }
     routed_ids = [i for i, layer in enumerate(model.layers) if isinstance(layer, RoutedBlock)]
     for layer_id, value in zip(routed_ids, agreement):

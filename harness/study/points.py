@@ -15,6 +15,7 @@ import optuna
 
 from modbench.config.study import Arm, Range, Study, canonical_arm
 from modbench.errors import ModbenchError, redact
+from modbench.model.sizing import study_arms
 
 FIXED_ATTR = "fixed_settings"  # what every trial shares (model, train, options, objectives)
 
@@ -43,12 +44,18 @@ def refuse_changed_fixed_settings(optuna_study: optuna.Study, s: Study, storage_
 
 def queue_new_grid_points(optuna_study: optuna.Study, s: Study) -> None:
     """Arms or seeds added to the study file since the study was created are queued now."""
-    have = {(t.user_attrs.get("arm"), t.user_attrs.get("seed")) for t in optuna_study.get_trials(deepcopy=False)
+    # Keyed by the arm's params, not its label: a label names what usually varies, and two arms
+    # of an isoFLOP grid (other depth or budget) can share one.
+    have = {(_key(t.user_attrs.get("arm_params")), t.user_attrs.get("seed")) for t in optuna_study.get_trials(deepcopy=False)
             if not t.user_attrs.get("surplus") and not t.user_attrs.get("requeued")}
-    for arm in s.arms():
+    for arm in study_arms(s):
         for seed in s.settings.seeds:
-            if (arm.label, seed) not in have:
-                optuna_study.enqueue_trial({}, user_attrs=grid_attrs(arm, seed))
+            if (_key(arm_params(arm)), seed) not in have:
+                optuna_study.enqueue_trial({}, user_attrs=grid_attrs(arm, seed, s.label(arm)))
+
+
+def _key(params: dict[str, Any] | None) -> tuple:
+    return tuple(sorted((k, str(v)) for k, v in (params or {}).items()))
 
 
 def arm_params(arm: Arm) -> dict[str, Any]:
@@ -57,14 +64,18 @@ def arm_params(arm: Arm) -> dict[str, Any]:
     if arm.variant != "dense":
         params.update(capacity=arm.capacity, pattern=arm.pattern, schedule=arm.schedule)
     params.update(lr_mult=arm.lr_mult, depth=arm.depth, budget=arm.budget)
+    if arm.width:
+        params["width"] = arm.width
+    if arm.control:
+        params["control"] = arm.control
     return params
 
 
-def grid_attrs(arm: Arm, seed: int) -> dict[str, Any]:
+def grid_attrs(arm: Arm, seed: int, label: str) -> dict[str, Any]:
     """A grid point as trial user attributes. A grid samples nothing, so its arm is not an Optuna
     param: params would fix the study's search space at creation, and an arm added to the study
     file later could not be queued (Optuna refuses new categorical choices)."""
-    return {"seed": seed, "arm": arm.label, "arm_params": arm_params(arm)}
+    return {"seed": seed, "arm": label, "arm_params": arm_params(arm)}
 
 
 def point_attrs(user_attrs: dict[str, Any]) -> dict[str, Any]:
@@ -79,7 +90,8 @@ def arm_of(trial: optuna.Trial, study: Study) -> Arm:
         return suggest_arm(trial, study)
     dense = fixed["variant"] == "dense"
     return canonical_arm(fixed["variant"], 1.0 if dense else fixed["capacity"], "-" if dense else fixed["pattern"],
-                         "constant" if dense else fixed["schedule"], fixed["lr_mult"], fixed["depth"], fixed["budget"])
+                         "constant" if dense else fixed["schedule"], fixed["lr_mult"], fixed["depth"], fixed["budget"],
+                         fixed.get("width", 0), fixed.get("control", ""))
 
 
 def suggest_arm(trial: optuna.Trial, study: Study) -> Arm:

@@ -33,6 +33,7 @@ from optuna.trial import TrialState
 from modbench.errors import ModbenchError, redact
 from modbench.results import RunRecord
 from modbench.config.study import Arm, Study, load_study
+from modbench.model.sizing import study_arms
 from modbench.study.points import (
     FIXED_ATTR, arm_of, fixed_settings, grid_attrs, point_attrs, queue_new_grid_points,
     refuse_changed_fixed_settings, suggest_arm,
@@ -162,9 +163,9 @@ class Runner:
                                "study.file_sha256": s.file_sha256, **{f"base.{k}": v for k, v in s.base.to_dict().items()}})
             parent.flush()
             if s.settings.sampler == "grid":
-                for arm in s.arms():
+                for arm in study_arms(s):
                     for seed in s.settings.seeds:
-                        study.enqueue_trial({}, user_attrs=grid_attrs(arm, seed))
+                        study.enqueue_trial({}, user_attrs=grid_attrs(arm, seed, s.label(arm)))
             # Set last: it tells the other workers the study is complete (parent run and the
             # whole grid queued). Set earlier, a worker could find an empty queue and stop.
             study.set_user_attr(PARENT_ATTR, parent.run_id)
@@ -203,18 +204,18 @@ class Runner:
             arm = suggest_arm(trial, s)
             seed = s.settings.seeds[0]
             trial.set_user_attr("seed", seed)
-            trial.set_user_attr("arm", arm.label)
+            trial.set_user_attr("arm", s.label(arm))
             trial.set_user_attr("sampled", True)
             for other in s.settings.seeds[1:]:
-                self.optuna.enqueue_trial(trial.params, user_attrs={"seed": other, "arm": arm.label})
+                self.optuna.enqueue_trial(trial.params, user_attrs={"seed": other, "arm": s.label(arm)})
         else:
             arm = arm_of(trial, s)
         cfg = s.run_config(arm, seed, out_dir=str(study_dir(s, self.out_dir) / "trials"), run_name=f"trial-{trial.number}",
                            experiment=s.name, track=True)  # tracked, through the tracker passed to train
-        tags = {"modbench.study": s.name, "optuna.trial_number": str(trial.number), "modbench.arm": arm.label,
+        tags = {"modbench.study": s.name, "optuna.trial_number": str(trial.number), "modbench.arm": s.label(arm),
                 "modbench.seed": str(seed), "optuna.state": "RUNNING"}
         # The run's name starts with the arm (the UI's table cuts long names); the trial number is a tag.
-        tracker = Tracker(s.name, run_name=f"{arm.label} s{seed}", parent_run_id=self.parent_run_id, tags=tags,
+        tracker = Tracker(s.name, run_name=f"{s.label(arm)} s{seed}", parent_run_id=self.parent_run_id, tags=tags,
                           uri=self.tracking_uri)
         multi = len(s.directions) > 1
 
@@ -284,7 +285,7 @@ class Runner:
         """Queue the interrupted (arm, seed) again; Optuna marks this trial FAIL, the report skips it."""
         trial.set_user_attr("requeued", True)
         self.optuna.enqueue_trial(trial.params, user_attrs=point_attrs(trial.user_attrs))
-        self.interrupted = f"trial {trial.number} ({arm.label}, seed {seed})"
+        self.interrupted = f"trial {trial.number} ({self.study.label(arm)}, seed {seed})"
 
     # --- the worker loop ----------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
@@ -297,7 +298,7 @@ class Runner:
 
     def expected_total(self) -> int:
         s = self.study
-        arms = len(s.arms()) if s.settings.sampler == "grid" else s.settings.n_trials
+        arms = len(study_arms(s)) if s.settings.sampler == "grid" else s.settings.n_trials
         return arms * len(s.settings.seeds)
 
     def sampled_arms(self) -> int:

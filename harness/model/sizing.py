@@ -1,0 +1,109 @@
+"""Model sizes from analytic FLOPs: the control arms a study derives for its routed arms.
+
+A MoD model costs fewer FLOPs per token than the dense model of the same shape, so under one
+FLOP budget it trains on more tokens. Two dense controls separate "routing helps" from "a
+cheaper model sees more data" (Raposo et al. 2024 §4.1 compare against isoFLOP-optimal
+dense models for the same reason):
+
+- *matched dense*: the dense model, no deeper and no wider than the routed arm's, whose
+  training FLOPs per token are closest to the routed arm's, within ``MATCH_TOLERANCE``
+  (depths 1…L, widths the multiples of the head dimension up to the routed width). It trains
+  on the same FLOP budget, so it sees about as many tokens as the routed arm.
+- *iso-token dense*: the routed arm's own dense shape trained for exactly as many steps
+  (tokens) as the routed arm gets from its FLOP budget: more compute than the budget.
+
+FLOPs come from ``GPT.flop_report`` (built on the meta device: no memory, no RNG draw), the
+same count the trainer converts budgets with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from modbench.config.budget import Budget
+from modbench.config.model import ModelConfig, RoutingConfig
+from modbench.config.run import RunConfig
+from modbench.config.study import Arm, Study, canonical_arm
+from modbench.errors import ModbenchError
+from modbench.model.gpt import GPT
+
+MATCH_TOLERANCE = 0.03  # |FLOPs per token of the matched dense / routed − 1|
+
+
+def flops_per_token(model: ModelConfig, routing: RoutingConfig, seq_len: int) -> float:
+    """Training FLOPs per token of this model (forward + backward), as the trainer counts them."""
+    with torch.device("meta"):
+        return GPT(model, routing).flops_per_token(seq_len)
+
+
+def matched_dense_shape(cfg: RunConfig, tolerance: float = MATCH_TOLERANCE) -> tuple[int, int, float]:
+    """(depth, width, FLOP ratio dense/routed) of the dense model matched to ``cfg``'s routed model.
+
+    Among shapes within ``tolerance`` the closest wins; ties go to the deeper model.
+    Raises when no candidate is within tolerance (the error names the closest).
+    """
+    target = flops_per_token(cfg.model, cfg.routing, cfg.train.seq_len)
+    hd = cfg.model.head_dim
+    best: tuple[float, int, int, float] | None = None
+    for depth in range(cfg.model.layers, 0, -1):
+        for width in range(cfg.model.width, hd - 1, -hd):
+            shape = replace(cfg.model, depth=depth, n_layer=None, n_embd=width, n_head=max(1, width // hd))
+            ratio = flops_per_token(shape, RoutingConfig(), cfg.train.seq_len) / target
+            if best is None or abs(ratio - 1) < best[0]:
+                best = (abs(ratio - 1), depth, width, ratio)
+    assert best is not None
+    if best[0] > tolerance:
+        raise ModbenchError(
+            f"no dense model of at most {cfg.model.layers} layers and width {cfg.model.width} (a multiple of head_dim "
+            f"{hd}) costs within {tolerance:.0%} of the routed model's FLOPs per token: the closest, {best[1]} layers "
+            f"× d={best[2]}, is off by {best[0]:.1%}; use a smaller head_dim or another capacity"
+        )
+    return best[1], best[2], best[3]
+
+
+def iso_token_budget(cfg: RunConfig) -> str:
+    """The routed run's own training length as a ``steps=N`` budget (its FLOP budget's steps)."""
+    t = cfg.train
+    tokens_per_step = t.batch_size * t.seq_len * t.grad_accum
+    fpt = flops_per_token(cfg.model, cfg.routing, t.seq_len)
+    steps = Budget.parse(t.budget).steps(tokens_per_step, fpt * tokens_per_step)
+    return f"steps={steps}"
+
+
+def control_arms(study: Study) -> list[Arm]:
+    """The study's derived control arms (``study.controls``), for each routed arm of [space].
+
+    Routed arms that share a shape (capacity, pattern, schedule, depth, width, budget) share
+    their controls; the FLOPs are those of the first routed variant listed (routers differ by
+    a few FLOPs per token, far inside the tolerance).
+    """
+    wanted = study.settings.controls
+    if not wanted:
+        return []
+    out: dict[Arm, None] = {}
+    seen_shapes: set[tuple] = set()
+    for arm in study.main_arms():
+        shape = (arm.capacity, arm.pattern, arm.schedule, arm.depth, arm.width, arm.budget, arm.lr_mult)
+        if arm.variant == "dense" or shape in seen_shapes:
+            continue
+        seen_shapes.add(shape)
+        cfg = study.run_config(arm, study.settings.seeds[0])
+        what = f"C={arm.capacity:g} {arm.pattern}" + (" log" if arm.schedule == "log" else "")
+        if "matched_dense" in wanted:
+            depth, width, _ = matched_dense_shape(cfg)
+            out.setdefault(canonical_arm("dense", 1.0, "-", "constant", arm.lr_mult, depth, arm.budget, width,
+                                         f"FLOP-matched to {what}"), None)
+        if "iso_token_dense" in wanted and Budget.parse(arm.budget).kind == "flops":
+            out.setdefault(canonical_arm("dense", 1.0, "-", "constant", arm.lr_mult, arm.depth, iso_token_budget(cfg),
+                                         arm.width, f"iso-tokens of {what}"), None)
+    return list(out)
+
+
+def study_arms(study: Study) -> list[Arm]:
+    """Every arm a grid study runs: its declared arms, then its derived controls."""
+    arms = dict.fromkeys(study.arms())
+    for arm in control_arms(study):
+        arms.setdefault(arm, None)
+    return list(arms)
