@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 BENCH  ?= cpu# results name: reports/bench/$(BENCH).json and .md (e.g. BENCH=h100 on a GPU)
 STAMP  := $(VENV)/.installed
 
-.PHONY: install quick demo test bench clean
+.PHONY: install quick demo test bench clean paper-claims
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,12 @@ install: $(STAMP)
 quick: $(STAMP)
 	$(BIN)/modbench study run studies/quick.toml
 	$(BIN)/modbench report studies/quick.toml
+
+# The reference study (reports/paper_claims/): two workers, one thread each, then the report.
+paper-claims: $(STAMP)
+	( OMP_NUM_THREADS=1 $(BIN)/modbench study run paper_claims --quiet & \
+	  OMP_NUM_THREADS=1 $(BIN)/modbench study run paper_claims --quiet; wait )
+	$(BIN)/modbench report paper_claims
 
 demo: $(STAMP)
 	$(BIN)/modbench demo

@@ -32,7 +32,8 @@ def test_report_end_to_end_has_every_section_and_plot(tmp_cwd):
     assert main(["report", str(path)]) == 0
     out = tmp_cwd / "reports" / "rep"
     text = (out / "report.md").read_text()
-    for heading in ("## Summary", "## Arms", "## Comparisons against dense", "## Validation curves", "## Pareto fronts",
+    for heading in ("## Arms (deployable metric first)", "## Sanity baselines", "## Top-k validation summary by group",
+                    "## Arms (validation top-k)", "## Comparisons against dense", "## Validation curves", "## Pareto fronts",
                     "## Throughput", "## Routing", "## Environment", "## Reproduce"):
         assert heading in text, heading
     for link in links(text):

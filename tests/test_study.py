@@ -237,14 +237,17 @@ def test_shipped_study_files_are_valid():
             assert study.arms()
 
 
-def test_variant_shootout_covers_all_variants_three_capacities_five_seeds():
+def test_variant_shootout_covers_all_variants_and_their_controls_at_three_capacities():
     s = load_study(REPO / "studies" / "variant_shootout.toml")
     from modbench import variants
 
     seed_recipes = {"norm", "linear_softmax", "sigmoid", "learned_temperature", "mlp_skip"}
-    assert seed_recipes | {"dense", "random"} <= set(s.space["variant"]) <= set(variants.list_variants())
+    controls = {"random", "random_gated", "random_mlp"}
+    assert seed_recipes | controls | {"dense"} <= set(s.space["variant"]) <= set(variants.list_variants())
     assert sorted(s.space["capacity"]) == [0.125, 0.25, 0.5]
-    assert s.space["pattern"] == ["alternate"] and len(s.settings.seeds) >= 5
+    assert s.space["pattern"] == ["alternate"] and len(s.settings.seeds) >= 3
+    assert set(s.settings.controls) == {"matched_dense", "iso_token_dense"}
+    assert s.settings.objectives == ["val/causal_bpb"]
 
 
 _key = st.sampled_from(["study", "model", "train", "space", "options", "name", "seeds", "sampler", "pruner", "objectives",

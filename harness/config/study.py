@@ -14,6 +14,9 @@
                                  #     3 % of the routed arm's (shallower and/or narrower), same budget;
                                  #   "iso_token_dense": the base dense model trained on as many
                                  #     tokens as the routed arm (more FLOPs; flops budgets only)
+    claims = []                  # claims the report tests, with verdicts and summary.json
+                                 # (modbench.report.claims): "mod_vs_best_dense",
+                                 # "learned_vs_random", "causal_rule"
 
     [model]  …                   # ModelConfig fields, shared by every arm
     [train]  …                   # TrainConfig fields (dataset, budget, seq_len, …)
@@ -52,7 +55,7 @@ from modbench import variants
 
 from modbench.config.budget import Budget
 from modbench.config.capacity import check_capacity
-from modbench.config.model import RoutingConfig
+from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.config.io import from_mapping, read_toml
 from modbench.errors import ModbenchError, accepted
 from modbench.results import ALIASES, metric
@@ -70,6 +73,7 @@ SPACE_DEFAULTS: dict[str, list[Any]] = {
     "lr_mult": [1.0], "depth": [], "budget": [], "width": [0],
 }
 CONTROLS = ("matched_dense", "iso_token_dense")
+CLAIMS = ("mod_vs_best_dense", "learned_vs_random", "causal_rule")  # see modbench.report.claims
 TOP_KEYS = ("study", "model", "train", "options", "space")
 
 
@@ -84,6 +88,7 @@ class StudySettings:
     n_trials: int = 0
     timeout_s: float = 0.0
     controls: list = field(default_factory=list)
+    claims: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -173,11 +178,18 @@ class Study:
     def run_config(self, arm: Arm, seed: int, **train_overrides: Any) -> RunConfig:
         model = replace(self.base.model, depth=arm.depth)
         if arm.width:
-            model = replace(model, n_embd=arm.width, n_head=max(1, arm.width // model.head_dim))
+            model = replace(model, n_embd=arm.width, n_head=heads_for(arm.width, self.base.model))
         routing = RoutingConfig(arm.variant, arm.capacity, arm.schedule, arm.pattern if arm.pattern != "-" else "alternate",
                                 dict(self.options.get(arm.variant, {})))
         train = replace(self.base.train, seed=seed, budget=arm.budget, lr=self.base.train.lr * arm.lr_mult, **train_overrides)
         return RunConfig(model, routing, train)
+
+
+def heads_for(width: int, base: ModelConfig) -> int:
+    """Heads of a model ``width`` (even) wide: the head count whose head dimension is even (RoPE)
+    and closest to the base model's head_dim (ties: more heads)."""
+    return min((h for h in range(1, width // 2 + 1) if width % h == 0 and (width // h) % 2 == 0),
+               key=lambda h: (abs(width // h - base.head_dim), -h))
 
 
 def _grid(space: dict[str, Any]) -> list[Arm]:
@@ -234,6 +246,9 @@ def _load_settings(p: Path, raw: dict[str, Any]) -> StudySettings:
         raise _fail(p, "study.seeds", "lists a seed twice")
     if settings.n_trials < 0 or settings.timeout_s < 0 or math.isnan(settings.timeout_s):
         raise _fail(p, "study", "n_trials and timeout_s must be >= 0")
+    claims = settings.claims
+    if not isinstance(claims, list) or any(c not in CLAIMS for c in claims) or len(set(claims)) != len(claims):
+        raise _fail(p, "study.claims", f"{claims!r}: expected a list of distinct names from {accepted(CLAIMS)}")
     controls = settings.controls
     if not isinstance(controls, list) or any(c not in CONTROLS for c in controls) or len(set(controls)) != len(controls):
         raise _fail(p, "study.controls", f"{controls!r}: expected a list of distinct names from {accepted(CONTROLS)}")
@@ -343,10 +358,9 @@ def _parse_space(p: Path, where: str, raw: dict[str, Any], defaults: dict[str, A
 
 def _width_for(base: RunConfig):
     def check(v: Any) -> int:
-        hd = base.model.head_dim
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (v and (v % hd or v > 65536)):
-            raise ModbenchError(f"width {v!r} is not accepted: expected 0 (the [model] width) or a multiple of "
-                                f"model.head_dim = {hd} up to 65536")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v % 2 or v > 65536:
+            raise ModbenchError(f"width {v!r} is not accepted: expected 0 (the [model] width) or an even number "
+                                "up to 65536 (heads: the even head dimension closest to model.head_dim)")
         return v
 
     return check

@@ -7,7 +7,9 @@ dense models for the same reason):
 
 - *matched dense*: the dense model, no deeper and no wider than the routed arm's, whose
   training FLOPs per token are closest to the routed arm's, within ``MATCH_TOLERANCE``
-  (depths 1…L, widths the multiples of the head dimension up to the routed width). It trains
+  (depths 1…L). Shapes that keep the routed model's head dimension (widths its multiples) come
+  first; only when none is within tolerance, every even width (heads from ``heads_for``: the even
+  head dimension closest to the routed model's). It trains
   on the same FLOP budget, so it sees about as many tokens as the routed arm.
 - *iso-token dense*: the routed arm's own dense shape trained for exactly as many steps
   (tokens) as the routed arm gets from its FLOP budget: more compute than the budget.
@@ -25,7 +27,7 @@ import torch
 from modbench.config.budget import Budget
 from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.config.run import RunConfig
-from modbench.config.study import Arm, Study, canonical_arm
+from modbench.config.study import Arm, Study, canonical_arm, heads_for
 from modbench.errors import ModbenchError
 from modbench.model.gpt import GPT
 
@@ -38,29 +40,55 @@ def flops_per_token(model: ModelConfig, routing: RoutingConfig, seq_len: int) ->
         return GPT(model, routing).flops_per_token(seq_len)
 
 
+def decode_flops_per_token(model: ModelConfig, routing: RoutingConfig, seq_len: int, fraction: float) -> float:
+    """Forward FLOPs per token when routed layers process ``fraction`` of the tokens: the cost of
+    the causal (decode-time) rule at its realised fraction rather than at the nominal capacity.
+    A fraction of 1 (or a dense model) is the dense forward cost."""
+    fraction = min(1.0, max(fraction, 1.0 / seq_len))
+    with torch.device("meta"):
+        return GPT(model, replace(routing, capacity=fraction)).flops_per_token(seq_len, backward=False)
+
+
+def non_embedding_params(model: ModelConfig, routing: RoutingConfig) -> int:
+    """Parameters outside the token embedding and the output head (the isoFLOP profiles' size axis)."""
+    with torch.device("meta"):
+        gpt = GPT(model, routing)
+    return sum(p.numel() for name, p in gpt.named_parameters() if not name.startswith(("embed.", "head.")))
+
+
 def matched_dense_shape(cfg: RunConfig, tolerance: float = MATCH_TOLERANCE) -> tuple[int, int, float]:
     """(depth, width, FLOP ratio dense/routed) of the dense model matched to ``cfg``'s routed model.
 
-    Among shapes within ``tolerance`` the closest wins; ties go to the deeper model.
-    Raises when no candidate is within tolerance (the error names the closest).
+    Shapes with the routed model's head dimension first (the closest, ties to the deeper); every
+    even width only when none of those is within ``tolerance``. Raises when no shape is within
+    tolerance (the error names the closest).
     """
     target = flops_per_token(cfg.model, cfg.routing, cfg.train.seq_len)
     hd = cfg.model.head_dim
-    best: tuple[float, int, int, float] | None = None
+    same_head = _closest(cfg, target, range(cfg.model.width - cfg.model.width % hd, hd - 1, -hd))
+    best = same_head if same_head[0] <= tolerance else min(
+        same_head, _closest(cfg, target, range(cfg.model.width - cfg.model.width % 2, 1, -2)))
+    if best[0] > tolerance:
+        raise ModbenchError(
+            f"no dense model of at most {cfg.model.layers} layers and width {cfg.model.width} costs within "
+            f"{tolerance:.0%} of the routed model's FLOPs per token: the closest, {best[1]} layers × d={best[2]}, "
+            f"is off by {best[0]:.1%}; try another capacity or pattern"
+        )
+    return best[1], best[2], best[3]
+
+
+def _closest(cfg: RunConfig, target: float, widths) -> tuple[float, int, int, float]:
+    """(|ratio − 1|, depth, width, ratio) of the dense shape closest to ``target`` FLOPs per token;
+    ties go to the deeper, then the wider shape."""
+    best = None
     for depth in range(cfg.model.layers, 0, -1):
-        for width in range(cfg.model.width, hd - 1, -hd):
-            shape = replace(cfg.model, depth=depth, n_layer=None, n_embd=width, n_head=max(1, width // hd))
+        for width in widths:
+            shape = replace(cfg.model, depth=depth, n_layer=None, n_embd=width, n_head=heads_for(width, cfg.model))
             ratio = flops_per_token(shape, RoutingConfig(), cfg.train.seq_len) / target
             if best is None or abs(ratio - 1) < best[0]:
                 best = (abs(ratio - 1), depth, width, ratio)
     assert best is not None
-    if best[0] > tolerance:
-        raise ModbenchError(
-            f"no dense model of at most {cfg.model.layers} layers and width {cfg.model.width} (a multiple of head_dim "
-            f"{hd}) costs within {tolerance:.0%} of the routed model's FLOPs per token: the closest, {best[1]} layers "
-            f"× d={best[2]}, is off by {best[0]:.1%}; use a smaller head_dim or another capacity"
-        )
-    return best[1], best[2], best[3]
+    return best
 
 
 def iso_token_budget(cfg: RunConfig) -> str:

@@ -21,6 +21,7 @@ import pandas as pd
 
 from modbench.errors import redact
 from modbench.report import plots
+from modbench.report.claims_report import claims_sections
 from modbench.report.collect import ReportData, collect
 from modbench.report.routing_analysis import analyse
 from modbench.report.stats import compare_to_baseline, holm, pareto_front, summarize
@@ -131,13 +132,17 @@ def build_report(study_path: str | Path, *, uri: str, storage: str | None = None
         lines += ["**No trial has finished yet**, so there is nothing to compare. Run `modbench study run` first.", ""]
         return _finish(lines, data, dest, study_path, command)
 
+    lines += claims_sections(data, dest)
     arms = arm_table(data)
     arms.to_csv(dest / "arms.csv", index=False)
     comp, notes = comparisons(data, arms)
     if not comp.empty:
         comp.to_csv(dest / "comparisons.csv", index=False)
     table, sentences = summary_rows(arms, comp)
-    lines += ["## Summary", "", md_table(table), ""]
+    if study.settings.claims:
+        lines += ["# Details", "", "The sections below are per-group diagnostics on validation top-k bpb (the training-time "
+                  "rule); the claims above are the study's answers.", ""]
+    lines += ["## Top-k validation summary by group", "", md_table(table), ""]
     lines += [f"- {s}" for s in sentences] + [f"- {n}" for n in notes]
     if (arms["n"] < 2).any():
         lines.append("- Arms with fewer than two successful seeds have no interval and no test: "
@@ -150,7 +155,7 @@ def build_report(study_path: str | Path, *, uri: str, storage: str | None = None
               f"'can reach significance' is false when even a perfect separation could not give a corrected "
               f"Mann–Whitney p ≤ {ALPHA} with the seeds given.", ""]
 
-    lines += ["## Arms", "", md_table(arms[["arm", "group", "n", "n_failed_trials", "mean", "std", "ci_low", "ci_high", "test_bpb",
+    lines += ["## Arms (validation top-k)", "", md_table(arms[["arm", "group", "n", "n_failed_trials", "mean", "std", "ci_low", "ci_high", "test_bpb",
                                           "flops_per_token", "tokens_per_s", "tokens_per_s_spread", "steps"]].rename(columns={"mean": "val bpb", "ci_low": "CI low", "ci_high": "CI high"})), ""]
     if not comp.empty:
         show = comp[["arm", "baseline", "n_arm", "n_base", "mean_diff", "hedges_g", "welch_p", "welch_p_adj", "mwu_p", "mwu_p_adj",

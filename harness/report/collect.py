@@ -7,16 +7,17 @@ each routed arm is compared with the dense arm of its group.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
+from modbench.config.study import Arm, Study, canonical_arm
 from modbench.track.optuna_store import default_storage, trials_frame
-from modbench.config.study import Study
 
 ARM_KEYS = ("variant", "capacity", "pattern", "schedule", "lr_mult", "depth", "budget", "width", "control")
-GROUP_KEYS = ("depth", "budget", "lr_mult")
+GROUP_KEYS = ("depth", "width", "budget", "lr_mult")
 FINAL_METRICS = (
     "val/causal_bpb", "val/dense_bpb", "val/causal_gap", "val/dense_gap", "val/causal_agreement",
     "val/causal_fraction", "val/topk_leak_rate", "val/hard_precision", "val/hard_recall", "val/hard_base_rate",
@@ -31,29 +32,23 @@ class ReportData:
     storage: str
     trials: pd.DataFrame  # every trial, any state
     done: pd.DataFrame  # COMPLETE trials with arm/group labels and final metrics
-    curves: pd.DataFrame  # arm, seed, step, flops, val/bpb
+    curves: pd.DataFrame  # arm, variant, capacity, seed, step, flops, tokens, val/bpb
     tags: dict[str, str] = field(default_factory=dict)
 
 
-def _label(row: pd.Series, varying: set[str]) -> str:
-    parts = [row["variant"]]
-    if row["variant"] != "dense":
-        parts.append(f"C={row['capacity']:g}")
-        if "pattern" in varying:
-            parts.append(row["pattern"])
-        if row.get("schedule") == "log":
-            parts.append("log")
-    if row.get("width") and not pd.isna(row["width"]) and int(row["width"]):
-        parts.append(f"L{int(row['depth'])} d{int(row['width'])}")
-    elif "depth" in varying:
-        parts.append(f"depth={int(row['depth'])}")
-    if isinstance(row.get("control"), str) and row["control"]:
-        parts.append(f"({row['control']})")
-    elif "budget" in varying:
-        parts.append(row["budget"])
-    if "lr_mult" in varying:
-        parts.append(f"lr×{row['lr_mult']:g}")
-    return " ".join(parts)
+def _int(x) -> int:
+    return 0 if x is None or (isinstance(x, float) and math.isnan(x)) else int(x)
+
+
+def _text(x) -> str:
+    return x if isinstance(x, str) else ""
+
+
+def row_arm(row: pd.Series) -> Arm:
+    """The study arm a trial (a row of the trials frame) ran."""
+    return canonical_arm(row["variant"], row["capacity"], _text(row.get("pattern")) or "-",
+                         _text(row.get("schedule")) or "constant", row["lr_mult"], _int(row["depth"]), row["budget"],
+                         _int(row.get("width")), _text(row.get("control")))
 
 
 def collect(study: Study, *, uri: str, storage: str | None = None, out_dir: str | Path = "runs/studies",
@@ -68,7 +63,8 @@ def collect(study: Study, *, uri: str, storage: str | None = None, out_dir: str 
     done["capacity"] = done["capacity"].astype(float)
     done["lr_mult"] = done["lr_mult"].astype(float)
     varying = {k for k in ARM_KEYS if done[k].astype(str).nunique() > 1}
-    done["arm"] = done.apply(_label, axis=1, varying=varying) if len(done) else pd.Series(dtype=str)
+    # The study's own label of each arm: the names of its MLflow runs and trials.
+    done["arm"] = [study.label(row_arm(r)) for _, r in done.iterrows()] if len(done) else pd.Series(dtype=str)
     done["group"] = done.apply(lambda r: " ".join(f"{k}={r[k]}" for k in GROUP_KEYS if k in varying) or "all", axis=1) if len(done) else pd.Series(dtype=str)
     curves, tags = _from_mlflow(done, study.name, uri, progress)
     return ReportData(study, url, trials, done, curves, tags)
@@ -93,6 +89,8 @@ def _from_mlflow(done: pd.DataFrame, experiment: str, uri: str, progress: bool =
         fpt = run.data.metrics.get("perf/flops_per_token")
         tokens_per_step = float(run.data.params.get("budget.tokens_per_step", "nan"))
         for m in client.get_metric_history(run_id, "val/bpb"):
-            rows.append({"arm": trial["arm"], "seed": trial["seed"], "step": m.step, "val/bpb": m.value,
+            rows.append({"arm": trial["arm"], "variant": trial["variant"], "capacity": trial["capacity"],
+                         "seed": trial["seed"], "step": m.step, "val/bpb": m.value, "tokens": m.step * tokens_per_step,
                          "flops": m.step * tokens_per_step * (fpt or trial["perf/flops_per_token"])})
-    return pd.DataFrame(rows, columns=["arm", "seed", "step", "flops", "val/bpb"]), tags
+    columns = ["arm", "variant", "capacity", "seed", "step", "flops", "tokens", "val/bpb"]
+    return pd.DataFrame(rows, columns=columns), tags

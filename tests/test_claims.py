@@ -1,0 +1,222 @@
+"""Study controls, sub-grids and the claims report: sized by FLOPs, chosen on val, reported on test."""
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from modbench.cli.main import main
+from modbench.config.model import ModelConfig, RoutingConfig
+from modbench.config.run import RunConfig, TrainConfig
+from modbench.config.study import load_study
+from modbench.errors import ModbenchError
+from modbench.model.sizing import (
+    MATCH_TOLERANCE,
+    control_arms,
+    decode_flops_per_token,
+    flops_per_token,
+    iso_token_budget,
+    matched_dense_shape,
+    study_arms,
+)
+from modbench.report import claims
+from modbench.run.train import train
+
+TINY = RunConfig(ModelConfig(depth=3, n_embd=64, head_dim=8, max_seq_len=32), RoutingConfig("sigmoid", 0.25),
+                 TrainConfig(dataset="arithmetic", seq_len=32, batch_size=4, budget="flops=2e9", track=False))
+
+STUDY = """
+[study]
+name = "{name}"
+seeds = [0, 1]
+objectives = ["val/causal_bpb"]
+controls = ["matched_dense", "iso_token_dense"]
+claims = ["mod_vs_best_dense", "learned_vs_random", "causal_rule"]
+
+[model]
+depth = 3
+n_embd = 64
+head_dim = 8
+max_seq_len = 32
+
+[train]
+dataset = "arithmetic"
+seq_len = 32
+batch_size = 4
+budget = "flops=2e9"
+eval_every = 5
+eval_windows = 8
+log_every = 5
+
+[space]
+variant = ["dense", "sigmoid", "random_gated"]
+capacity = [0.25]
+
+[[space.also]]
+variant = ["dense"]
+depth = [1, 2]
+
+[[space.also]]
+variant = ["sigmoid"]
+lr_mult = [2.0]
+"""
+
+
+def write(tmp: Path, name: str = "claims", text: str = STUDY) -> Path:
+    path = tmp / f"{name}.toml"
+    path.write_text(text.format(name=name))
+    return path
+
+
+# --- sizing the controls --------------------------------------------------------------------
+def test_matched_dense_is_within_tolerance_no_larger_and_its_ratio_is_exact():
+    depth, width, ratio = matched_dense_shape(TINY)
+    assert depth <= TINY.model.layers and width <= TINY.model.width and width % TINY.model.head_dim == 0
+    routed = flops_per_token(TINY.model, TINY.routing, 32)
+    dense = flops_per_token(ModelConfig(depth=depth, n_embd=width, n_head=width // 8, head_dim=8, max_seq_len=32),
+                            RoutingConfig(), 32)
+    assert ratio == pytest.approx(dense / routed) and abs(ratio - 1) <= MATCH_TOLERANCE
+    assert dense < flops_per_token(TINY.model, RoutingConfig(), 32)  # cheaper than the routed model's own dense shape
+
+
+def test_unmatchable_shape_is_a_one_line_error():
+    with pytest.raises(ModbenchError, match="within 0%.*the closest, 3 layers × d=56, is off by"):
+        matched_dense_shape(TINY, tolerance=1e-6)
+
+
+def test_finer_widths_only_when_the_head_dimension_cannot_match():
+    cfg = RunConfig(ModelConfig(depth=4, n_embd=128, head_dim=32, max_seq_len=128), RoutingConfig("sigmoid", 0.25),
+                    TrainConfig(dataset="arithmetic", seq_len=128, budget="flops=1e13"))
+    depth, width, ratio = matched_dense_shape(cfg)  # no multiple of 32 is within 3 %: an even width is
+    assert width % 32 and width % 2 == 0 and abs(ratio - 1) <= MATCH_TOLERANCE
+    assert matched_dense_shape(replace(cfg, routing=RoutingConfig("sigmoid", 0.125)))[:2] == (4, 96)
+
+
+def test_iso_token_budget_is_the_routed_runs_own_length(tmp_cwd):
+    budget = iso_token_budget(TINY)
+    result = train(TINY)  # the routed run under its FLOP budget
+    assert budget == f"steps={result.steps}"
+
+
+def test_decode_flops_grow_with_the_realised_fraction():
+    low, high = (decode_flops_per_token(TINY.model, TINY.routing, 32, f) for f in (0.1, 0.6))
+    dense = flops_per_token(TINY.model, RoutingConfig(), 32) / 3  # forward = a third of training
+    assert low < high < dense
+    assert decode_flops_per_token(TINY.model, TINY.routing, 32, 1.0) == pytest.approx(dense)
+
+
+def test_study_arms_union_the_grids_and_add_the_derived_controls(tmp_path):
+    s = load_study(write(tmp_path))
+    labels = [s.label(a) for a in study_arms(s)]
+    assert labels[:3] == ["dense", "sigmoid C=0.25 alternate", "random_gated C=0.25 alternate"]
+    assert {"dense L1", "dense L2", "sigmoid C=0.25 alternate lr×2"} <= set(labels)
+    controls = control_arms(s)
+    assert [a.control for a in controls] == ["FLOP-matched to C=0.25 alternate", "iso-tokens of C=0.25 alternate"]
+    assert controls[0].width == 56 and controls[1].budget.startswith("steps=")
+    assert len(labels) == len(set(labels)) == 8  # one shape's controls serve both routed variants
+
+
+@pytest.mark.parametrize("edit, message", [
+    ('controls = ["matched_dense", "iso_token_dense"]', None),
+    ('controls = ["matched"]', "study.controls"),
+    ('claims = ["mod_vs_best_dense", "learned_vs_random", "causal_rule"]\nsampler = "tpe"', None),
+])
+def test_controls_and_claims_are_validated(tmp_path, edit, message):
+    text = STUDY.replace('controls = ["matched_dense", "iso_token_dense"]', edit)
+    if message is None and "tpe" in edit:
+        with pytest.raises(ModbenchError, match="need sampler = \"grid\""):
+            load_study(write(tmp_path, text=text.replace('claims = ["mod_vs_best_dense", "learned_vs_random", "causal_rule"]\n', "", 1)))
+    elif message:
+        with pytest.raises(ModbenchError, match=message):
+            load_study(write(tmp_path, text=text))
+    else:
+        load_study(write(tmp_path, text=text))
+
+
+def test_space_also_rejects_unknown_keys(tmp_path):
+    with pytest.raises(ModbenchError, match=r"space\.also\[0\]\.depht: unknown key"):
+        load_study(write(tmp_path, text=STUDY.replace("depth = [1, 2]", "depht = [1, 2]")))
+
+
+# --- the claims, on frames with planted answers -----------------------------------------------
+def frame(rows: list[tuple], seeds=(0, 1, 2, 3)) -> pd.DataFrame:
+    """rows: (arm, variant, control, lr_mult, val, test) → one row per seed, test + small seed noise."""
+    out = []
+    rng = np.random.default_rng(1)
+    for arm, variant, control, lr, val, test in rows:
+        for s in seeds:
+            noise = 0.01 * (s - 1.5) + rng.normal(0, 0.002)  # shared by seed, plus a little of the arm's own
+            out.append({"arm": arm, "variant": variant, "control": control, "lr_mult": lr, "capacity": 0.25,
+                        "pattern": "alternate", "seed": s, "val/causal_bpb": val + noise, "test/causal_bpb": test + noise})
+    return pd.DataFrame(out)
+
+
+def test_best_dense_is_chosen_on_validation_and_reported_on_test():
+    df = frame([("dense L2", "dense", "", 1.0, 2.50, 2.60),  # best on val, worse on test
+                ("dense L4", "dense", "", 1.0, 2.55, 2.40),
+                ("sigmoid", "sigmoid", "", 1.0, 2.45, 2.50)])
+    found, eff = claims.mod_vs_best_dense(df)
+    assert eff.iloc[0]["reference"] == "dense L2"
+    test = df.groupby("arm")["test/causal_bpb"].mean()
+    assert found[0].estimate == pytest.approx(test["sigmoid"] - test["dense L2"])  # on test, paired by seed
+    assert found[0].estimate == pytest.approx(2.50 - 2.60, abs=0.005)
+    assert found[0].verdict.startswith("supported")
+
+
+def test_controls_join_the_c1_family_and_a_null_effect_is_not_supported():
+    df = frame([("dense", "dense", "", 1.0, 2.5, 2.5), ("sigmoid", "sigmoid", "", 1.0, 2.5, 2.5),
+                ("dense d56", "dense", "FLOP-matched", 1.0, 2.5, 2.5)])
+    rng = np.random.default_rng(0)
+    df["test/causal_bpb"] += rng.normal(0, 0.05, len(df))  # independent noise: no paired structure to exploit
+    found, eff = claims.mod_vs_best_dense(df)
+    assert list(eff["reference"]) == ["dense", "dense d56"] and (eff["correction"] == "holm").all()
+    assert found[0].verdict.startswith("not supported") and found[0].ci_low < 0 < found[0].ci_high
+
+
+def test_learned_is_compared_with_its_own_random_control():
+    df = frame([("sigmoid", "sigmoid", "", 1.0, 2.4, 2.4), ("random_gated", "random_gated", "", 1.0, 2.6, 2.6),
+                ("norm", "norm", "", 1.0, 2.5, 2.7), ("random", "random", "", 1.0, 2.5, 2.5)])
+    found, eff = claims.learned_vs_random(df)
+    assert list(zip(eff["arm"], eff["reference"])) == [("sigmoid", "random_gated"), ("norm", "random")]
+    assert found[0].verdict.startswith("supported") and "random better" in found[0].detail
+
+
+# --- end to end: a tiny study, its report and summary.json ----------------------------------------
+def test_claims_report_end_to_end(tmp_cwd):
+    path = write(tmp_cwd)
+    assert main(["study", "run", str(path), "--quiet"]) == 0
+    assert main(["report", str(path)]) == 0
+    out = tmp_cwd / "reports" / "claims"
+    text = (out / "report.md").read_text()
+    body = text.split("\n", 6)[-1]
+    assert body.lstrip("\n> *").startswith(("Under-trained regime", "Every arm beats"))  # the regime comes first
+    for heading in ("## Claims", "## Arms (deployable metric first)", "## Sanity baselines", "## Effects",
+                    "## The causal rule against top-k", "## isoFLOP profiles", "## Learning curves"):
+        assert heading in text, heading
+    assert text.index("## Claims") < text.index("# Details")
+    for fig in ("effects", "curves_flops", "curves_tokens", "isoflop"):
+        assert (out / f"{fig}.png").is_file() and (out / f"{fig}.pdf").is_file()
+    summary = json.loads((out / "summary.json").read_text())
+    assert [c["id"] for c in summary["claims"]] == ["C1", "C2", "C3a", "C3b"]
+    for c in summary["claims"]:
+        assert set(c) >= {"id", "statement", "verdict", "estimate", "ci_low", "ci_high", "n_seeds"}
+    assert set(summary["baselines"]) >= {"unigram", "bigram", "trigram", "zstd"}
+    # every arm's number is recomputed from the trials
+    trials = pd.read_csv(out / "trials.csv")
+    trials = trials[trials.state == "COMPLETE"]
+    arms = {a["arm"]: a for a in summary["arms"]}
+    assert any("FLOP-matched" in a for a in arms) and any("iso-tokens" in a for a in arms)
+    assert len(arms) == 8 and all(a["n_seeds"] == 2 for a in arms.values())
+    by_label = pd.read_csv(out / "arms_causal.csv").set_index("arm")
+    for arm, a in arms.items():
+        assert a["causal_bpb"] == pytest.approx(by_label.loc[arm, "causal_bpb"])
+    # C1's estimate is the paired mean difference of the arms it names, on test
+    eff = pd.read_csv(out / "effects.csv")
+    c1 = eff[eff.claim == "C1"].iloc[0]
+    done = pd.read_csv(out / "trials.csv")
+    done = done[done.state == "COMPLETE"]
+    assert summary["claims"][0]["estimate"] == pytest.approx(c1["estimate"])
+    assert "nan" not in text.lower()
