@@ -186,6 +186,7 @@ def test_figures_write_png_and_pdf(tmp_path):
                             dict(arm="norm", reference="random", estimate=0.01, ci_low=None, ci_high=None)])
     png = forest_plot(effects, tmp_path / "forest.png")
     assert png.stat().st_size > 1000 and png.with_suffix(".pdf").stat().st_size > 1000
-    curves = pd.DataFrame([dict(variant=v, capacity=c, step=s, flops=1e9 * (s + 1), val_bpb=3 - 0.1 * s)
-                           for v, c in (("dense", 1.0), ("sigmoid", 0.125), ("sigmoid", 0.5)) for s in range(4)])
+    curves = pd.DataFrame([dict(arm=a, variant=v, capacity=c, step=s, flops=1e9 * (s + 1), val_bpb=3 - 0.1 * s)
+                           for a, v, c in (("dense", "dense", 1.0), ("dense L2", "dense", 1.0), ("sigmoid C=0.125", "sigmoid", 0.125),
+                                           ("sigmoid C=0.5", "sigmoid", 0.5)) for s in range(4)])
     assert small_multiples(curves, tmp_path / "curves.png").with_suffix(".pdf").exists()

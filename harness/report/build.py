@@ -143,7 +143,9 @@ def build_report(study_path: str | Path, *, uri: str, storage: str | None = None
         lines += ["# Details", "", "The sections below are per-group diagnostics on validation top-k bpb (the training-time "
                   "rule); the claims above are the study's answers.", ""]
     lines += ["## Top-k validation summary by group", "", md_table(table), ""]
-    lines += [f"- {s}" for s in sentences] + [f"- {n}" for n in notes]
+    if not study.settings.claims:  # a claims study says it once, in its claims table
+        lines += [f"- {s}" for s in sentences]
+    lines += [f"- {n}" for n in notes]
     if (arms["n"] < 2).any():
         lines.append("- Arms with fewer than two successful seeds have no interval and no test: "
                      + ", ".join(arms[arms["n"] < 2]["arm"]) + ".")

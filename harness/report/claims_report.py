@@ -69,11 +69,11 @@ def baseline_lines(base: dict[str, Baselines]) -> list[str]:
 
 
 def arm_lines(arms: pd.DataFrame) -> list[str]:
-    show = arms.assign(**{"95% CI": [_ci(lo - m if lo is not None else None, hi - m if hi is not None else None)
-                                       for m, lo, hi in zip(arms.causal_bpb, arms.causal_ci_low, arms.causal_ci_high)]})
+    show = arms.assign(**{"95% CI": ["n/a (n<2)" if lo is None or lo != lo else f"[{lo:.3f}, {hi:.3f}]"
+                                       for lo, hi in zip(arms.causal_ci_low, arms.causal_ci_high)]})
     show = show[["arm", "causal_bpb", "95% CI", "topk_bpb", "val_causal_bpb", "realised_fraction", "decode_flops_per_token",
                  "flops_per_token", "n_seeds"]].rename(columns={
-        "causal_bpb": "test causal bpb", "95% CI": "95% CI (± mean)", "topk_bpb": "test top-k bpb",
+        "causal_bpb": "test causal bpb", "topk_bpb": "test top-k bpb",
         "val_causal_bpb": "val causal bpb", "realised_fraction": "realised fraction",
         "decode_flops_per_token": "decode FLOPs/token", "flops_per_token": "train FLOPs/token", "n_seeds": "seeds"})
     return ["## Arms (deployable metric first)", "",

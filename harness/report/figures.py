@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import numpy as np  # noqa: E402
@@ -76,25 +77,30 @@ def forest_plot(effects: pd.DataFrame, png: Path, *, metric_label: str = "Δ cau
 
 
 def small_multiples(curves: pd.DataFrame, png: Path, *, x: str = "flops", y: str = "val_bpb",
-                    xlabel: str = "training FLOPs", ylabel: str = "validation bpb") -> Path:
-    """One panel per routed variant (lines per capacity, mean over seeds); dense in every panel."""
-    variants = [v for v in sorted(curves["variant"].unique()) if v != "dense"] or ["dense"]
+                    xlabel: str = "training FLOPs", ylabel: str = "validation bpb", reference: str | None = None) -> Path:
+    """One panel per variant, one line per arm (mean over seeds; marker = capacity, line style =
+    the arm's order within its variant); the ``reference`` arm (default: the arm labelled
+    "dense", if any) dashed in every panel. Dense arms other than the reference get a panel."""
+    reference = reference if reference is not None else ("dense" if (curves["arm"] == "dense").any() else None)
+    others = curves[curves["arm"] != reference]
+    variants = sorted(others["variant"].unique(), key=lambda v: (v == "dense", v)) or ["dense"]
     colors = variant_colors(list(curves["variant"].unique()))
     markers = capacity_markers(curves["capacity"].unique())
     cols = min(3, len(variants))
     rows = -(-len(variants) // cols)
     fig = Figure(figsize=(3.6 * cols, 2.8 * rows))
-    dense = curves[curves["variant"] == "dense"].groupby("step")[[x, y]].mean()
+    ref = curves[curves["arm"] == reference].groupby("step")[[x, y]].mean()
     axes = [fig.add_subplot(rows, cols, i + 1) for i in range(len(variants))]
     for ax, variant in zip(axes, variants):
-        if len(dense):
-            ax.plot(dense[x], dense[y], color="black", ls="--", lw=1, label="dense")
-        for cap, g in curves[curves["variant"] == variant].groupby("capacity"):
+        if len(ref):
+            ax.plot(ref[x], ref[y], color="black", ls="--", lw=1, label=reference)
+        for i, (arm, g) in enumerate(others[others["variant"] == variant].groupby("arm", sort=False)):
             mean = g.groupby("step")[[x, y]].mean()
-            ax.plot(mean[x], mean[y], color=colors[variant], marker=markers[float(cap)], ms=3, lw=1.2,
-                    label=f"C={cap:g}")
+            ax.plot(mean[x], mean[y], color=colors[variant], marker=markers[float(g["capacity"].iloc[0])], ms=3, lw=1.2,
+                    ls=("-", ":", "-.", (0, (5, 1)))[i % 4], label=arm)
         ax.set_title(variant, fontsize=9)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=7)
         ax.legend(fontsize=6)
