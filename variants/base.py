@@ -41,12 +41,21 @@ class Routing:
     aux_losses: unweighted auxiliary losses by name (weights come from the variant config
                 through ``Router.aux_weights``, so every variant adds them the same way).
     stats:      detached statistics for logging; empty unless the model asked for them.
+    valid:      (B, k) bool, for variants whose processed count varies per row (token choice,
+                threshold routing): which of the k slots are processed. Invalid slots are
+                neither keys nor written back. None: all k are processed.
     """
 
     index: Tensor
     weight: Tensor | None
     aux_losses: dict[str, Tensor]
     stats: dict[str, Tensor]
+    valid: Tensor | None = None
+
+    def processed(self, seq_len: int) -> Tensor:
+        """(B, T) bool: the positions this layer processes."""
+        mask = torch.zeros(self.index.shape[0], seq_len, dtype=torch.bool, device=self.index.device)
+        return mask.scatter_(1, self.index, True if self.valid is None else self.valid)
 
 
 class RunningMean(nn.Module):
@@ -130,6 +139,16 @@ class Router(nn.Module):
         """(B, T) bool: process this token? Uses only the token's own hidden state."""
         raise NotImplementedError
 
+    def decide_causal_given(self, x: Tensor, previous: Tensor | None) -> Tensor:
+        """``decide_causal`` given what the previous routed layer processed ((B, T) bool, or None
+        at the first routed layer). Only routers that nest their selection (``nested``) use it."""
+        return self.decide_causal(x)
+
+    def tokens_run(self, k: int, seq_len: int) -> int:
+        """How many tokens the routed block runs for a nominal k (the static slot count; a
+        variable-count router runs a fixed k_max and masks the slots it does not use)."""
+        return k
+
     def causal_weight(self, x: Tensor, decide: Tensor) -> Tensor | None:
         """(B, T) multiplier on the delta of causally routed tokens, or None (unweighted).
 
@@ -155,7 +174,9 @@ class Router(nn.Module):
         return 0.0, 0.0
 
     # --- the template every variant shares ----------------------------------------------
-    def route(self, x: Tensor, k: int) -> Routing:
+    def route(self, x: Tensor, k: int, previous: Tensor | None = None) -> Routing:
+        """Top-k of ``score``; ``previous`` is what the previous routed layer processed (see
+        ``decide_causal_given``)."""
         scores = self.score(x)
         values, top = torch.topk(scores, k, dim=-1, sorted=False)
         index, order = torch.sort(top, dim=-1)
@@ -168,7 +189,7 @@ class Router(nn.Module):
         aux = self.aux_losses(x, scores, index) if self.training else {}
         stats = self.routing_stats(scores, index) if self.collect_stats else {}
         if self.collect_stats and self.collect_causal:
-            stats["causal_decide"] = self.decide_causal(x)
+            stats["causal_decide"] = self.decide_causal_given(x, previous)
         return Routing(index=index, weight=weight, aux_losses=aux, stats=stats)
 
     @torch.no_grad()

@@ -85,8 +85,8 @@ class RandomRouter(Router):
     def project(self, x: Tensor) -> Tensor:
         return F.normalize(x.float(), dim=-1) @ self.direction.float()
 
-    def route(self, x: Tensor, k: int) -> Routing:
-        routing = super().route(x, k)
+    def route(self, x: Tensor, k: int, previous: Tensor | None = None) -> Routing:
+        routing = super().route(x, k, previous)
         if self.calibrating:
             self.threshold.update(torch.topk(self.project(x), k, dim=-1).values.amin(-1))
         return routing
@@ -118,8 +118,8 @@ class RandomGatedRouter(RandomRouter):
         super().__init__(config, d_model)
         self.gate = LinearScorer(d_model)
 
-    def route(self, x: Tensor, k: int) -> Routing:
-        routing = super().route(x, k)
+    def route(self, x: Tensor, k: int, previous: Tensor | None = None) -> Routing:
+        routing = super().route(x, k, previous)
         weight = torch.sigmoid(self.gate(x).gather(-1, routing.index)).unsqueeze(-1)
         return replace(routing, weight=weight)
 

@@ -53,7 +53,7 @@ def run(args) -> int:
             out = m(idx[:1])
         picture = "-" * 64
         if out.stats:
-            chosen = set(out.stats[0]["layer_index"][0].tolist())
+            chosen = set(out.stats[0]["layer_processed"][0].nonzero().squeeze(1).tolist())
             picture = "".join("█" if i in chosen else "·" for i in range(64))
         table.add_row(name, f"{f / 1e6:.2f} M", f"{f / dense_flops:.3f}", f"{t:.3f}", picture)
     Console(width=max(Console().width, 140)).print(table)

@@ -15,7 +15,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from modbench.config.capacity import CapacitySchedule
+import math
+
+from modbench.config.capacity import CapacitySchedule, check_capacity
 from modbench.config.io import bounded, check_bounds
 from modbench.errors import ModbenchError
 from modbench.config.patterns import parse_pattern, pattern_string
@@ -86,9 +88,29 @@ class RoutingConfig:
     schedule: str = "constant"  # 'constant' | 'log' (the log-scaled capacity of the nanochat fork's MoD docs)
     pattern: str = "alternate"
     options: dict[str, Any] = field(default_factory=dict)  # the variant's own config fields
+    # Capacity over depth: None keeps every routed layer at ``capacity``; a value is the first
+    # routed layer's capacity, decaying to ``capacity`` at the last along a cosine (p-MoD's
+    # progressive ratio decay, Zhang et al. 2024, arXiv:2412.04449 §3.3). Every variant can use it.
+    capacity_first: float | None = None
 
-    def capacity_schedule(self, max_seq_len: int) -> CapacitySchedule:
-        return CapacitySchedule(self.capacity, self.schedule, max_seq_len)
+    def __post_init__(self) -> None:
+        if self.capacity_first is not None:
+            check_capacity(self.capacity_first)
+
+    def capacity_at(self, i: int, n_routed: int) -> float:
+        """Capacity of the i-th of ``n_routed`` routed layers (0-based)."""
+        if self.capacity_first is None or n_routed <= 1:
+            return self.capacity
+        t = i / (n_routed - 1)
+        return self.capacity + (self.capacity_first - self.capacity) * (1 + math.cos(math.pi * t)) / 2
+
+    def capacity_schedule(self, max_seq_len: int, i: int = 0, n_routed: int = 1) -> CapacitySchedule:
+        """The schedule of routed layer ``i`` of ``n_routed`` (the first, by default)."""
+        return CapacitySchedule(self.capacity_at(i, n_routed), self.schedule, max_seq_len)
+
+    @property
+    def is_dense(self) -> bool:
+        return self.capacity == 1.0 and self.capacity_first in (None, 1.0)
 
     def routed_layers(self, n_layer: int) -> tuple[bool, ...]:
         return parse_pattern(self.pattern, n_layer)

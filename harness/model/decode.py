@@ -140,9 +140,11 @@ class Decoder:
         cos = m.rope_cos[self.pos : self.pos + n]
         sin = m.rope_sin[self.pos : self.pos + n]
         x = m.embed(idx)
+        previous = None  # the last routed layer's decisions for these tokens (nested routing)
         for layer, cache in zip(m.layers, self.caches):
             if isinstance(layer, RoutedBlock) and self.mode == "causal":
-                x, decide = self._routed(layer, cache, x, cos, sin)
+                x, decide = self._routed(layer, cache, x, cos, sin, previous)
+                previous = decide
                 self.processed += decide.sum()
                 self.routed_total += decide.numel()
             else:
@@ -154,10 +156,11 @@ class Decoder:
     def _dense(block, cache: LayerCache, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return x + block.delta(x, cos, sin, cache=cache)
 
-    def _routed(self, layer: RoutedBlock, cache: LayerCache, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    def _routed(self, layer: RoutedBlock, cache: LayerCache, x: Tensor, cos: Tensor, sin: Tensor,
+                previous: Tensor | None) -> tuple[Tensor, Tensor]:
         # The model's own block path (pre_route, routed_delta, mix_causal), with the cache passed in.
         x = layer.pre_route(x, cos, sin, cache=cache)
-        decide = layer.router.decide_causal(x)
+        decide = layer.router.decide_causal_given(x, previous)
         n = x.shape[1]
         if n > 1:
             # Prefill: every token computed in one masked pass, skipped ones discarded.

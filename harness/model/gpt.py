@@ -154,11 +154,22 @@ def causal_routing_mask(decide: Tensor) -> Tensor:
     return ((causal & decide.unsqueeze(1)) | eye).unsqueeze(1)
 
 
+def subset_mask(valid: Tensor) -> Tensor:
+    """(B, 1, k, k) bool for attention among a gathered subset whose slots are not all used:
+    key j visible to query i iff j <= i and slot j is valid (every query also sees itself, so
+    an unused slot's row is finite; its output is discarded)."""
+    k = valid.shape[-1]
+    causal = torch.ones(k, k, dtype=torch.bool, device=valid.device).tril()
+    eye = torch.eye(k, dtype=torch.bool, device=valid.device)
+    return ((causal & valid.unsqueeze(1)) | eye).unsqueeze(1)
+
+
 @dataclass
 class LayerOutput:
     x: Tensor
     aux_losses: dict[str, Tensor] = field(default_factory=dict)
     stats: dict[str, Tensor] = field(default_factory=dict)
+    processed: Tensor | None = None  # (B, T) bool at a routed layer: what the next routed layer may nest in
 
 
 class RoutedBlock(nn.Module):
@@ -191,10 +202,10 @@ class RoutedBlock(nn.Module):
             delta = delta * weight.unsqueeze(-1).to(delta.dtype)
         return torch.where(decide.unsqueeze(-1), x + delta, x)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> LayerOutput:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, previous: Tensor | None = None) -> LayerOutput:
         B, T, d = x.shape
         x = self.pre_route(x, cos[:T], sin[:T])
-        r = self.router.route(x, self.capacity.k(T))
+        r = self.router.route(x, self.capacity.k(T), previous)
         k = r.index.shape[-1]
         # Flat row ids into the (B·T, d) view: batched gather/scatter, no loop over the batch.
         rows = (r.index + torch.arange(B, device=x.device).unsqueeze(1) * T).reshape(-1)
@@ -203,24 +214,28 @@ class RoutedBlock(nn.Module):
         pos = r.index.reshape(-1)  # the selected tokens keep the RoPE angles of their own positions
         cs = cos.index_select(0, pos).view(B, 1, k, -1)
         sn = sin.index_select(0, pos).view(B, 1, k, -1)
-        delta = self.routed_delta(xs, cs, sn)
+        if r.valid is None:
+            delta = self.routed_delta(xs, cs, sn)
+        else:  # a variable count: unused slots are no keys, and their delta is zeroed (rows unchanged)
+            delta = self.routed_delta(xs, cs, sn, mask=subset_mask(r.valid)) * r.valid.unsqueeze(-1).to(xs.dtype)
         if r.weight is not None:
             delta = delta * r.weight.to(delta.dtype)
         # Under autocast the delta leaves the linears in bf16 while the residual stream stays fp32.
         out = flat.index_add(0, rows, delta.reshape(B * k, d).to(flat.dtype)).view(B, T, d)
-        stats = dict(r.stats, layer_index=r.index) if self.router.collect_stats else r.stats
-        return LayerOutput(out, r.aux_losses, stats)
+        processed = r.processed(T)
+        stats = dict(r.stats, layer_index=r.index, layer_processed=processed) if self.router.collect_stats else r.stats
+        return LayerOutput(out, r.aux_losses, stats, processed)
 
     def flops(self, seq_len: int, *, causal: bool = True) -> flop_math.LayerFlops:
         """Analytic FLOPs over one sequence: the block at k tokens (the MLP alone at k for
         scope "mlp"), plus the router on all ``seq_len`` tokens."""
-        k = self.capacity.k(seq_len)
+        k = self.router.tokens_run(self.capacity.k(seq_len), seq_len)
         attn_tokens = seq_len if self.router.scope == "mlp" else k
         cfg = self.block.cfg
         return flop_math.block_flops(cfg.width, cfg.mlp_ratio, attn_tokens=attn_tokens, mlp_tokens=k, causal=causal,
                                      router=self.router.flops_per_token(cfg.width), seq_len=seq_len)
 
-    def forward_causal(self, x: Tensor, cos: Tensor, sin: Tensor) -> LayerOutput:
+    def forward_causal(self, x: Tensor, cos: Tensor, sin: Tensor, previous: Tensor | None = None) -> LayerOutput:
         """Route each token by ``decide_causal`` (its own state), in one masked pass.
 
         Processed tokens get ``x + causal_weight · delta``; skipped tokens come out
@@ -230,10 +245,10 @@ class RoutedBlock(nn.Module):
         T = x.shape[1]
         cos, sin = cos[:T], sin[:T]
         x = self.pre_route(x, cos, sin)
-        decide = self.router.decide_causal(x)
+        decide = self.router.decide_causal_given(x, previous)
         delta = self.routed_delta(x, cos, sin, mask=causal_routing_mask(decide))
         out = self.mix_causal(x, decide, delta)
-        return LayerOutput(out, {}, {"decide": decide} if self.router.collect_stats else {})
+        return LayerOutput(out, {}, {"decide": decide} if self.router.collect_stats else {}, decide)
 
     def forward_dense(self, x: Tensor, cos: Tensor, sin: Tensor) -> LayerOutput:
         """MoD off: a plain block on every token, router and weights ignored."""
@@ -269,19 +284,20 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.routing = routing or RoutingConfig(variant="dense", capacity=1.0)
-        schedule = self.routing.capacity_schedule(cfg.max_seq_len)
         spec = get_variant(self.routing.variant)  # one registry lookup and one config per model
         variant_config = spec.make_config(self.routing.options)
         self.routed_flags = self.routing.routed_layers(cfg.layers)
-        if spec.scope == "none" or schedule.is_dense:
+        if spec.scope == "none" or self.routing.is_dense:
             self.routed_flags = tuple(False for _ in self.routed_flags)
-        self.schedule = schedule
+        n_routed = sum(self.routed_flags)
 
         self.embed = nn.Embedding(cfg.vocab_size, cfg.width)
         layers = []
         for routed in self.routed_flags:
             if routed:
                 router = spec.builder(cfg.width, variant_config)
+                # Per-layer capacity (RoutingConfig.capacity_first): the j-th routed layer's own schedule.
+                schedule = self.routing.capacity_schedule(cfg.max_seq_len, sum(isinstance(l, RoutedBlock) for l in layers), n_routed)
                 layers.append(RoutedBlock(cfg, router, schedule))
             else:
                 layers.append(DenseLayer(cfg))
@@ -323,14 +339,19 @@ class GPT(nn.Module):
         x = self.embed(idx)
         aux: dict[str, Tensor] = {}
         stats: list[dict[str, Tensor]] = []
+        previous = None  # what the last routed layer processed (nested routing selects within it)
         for layer in self.layers:
-            if routing_mode == "topk" or not isinstance(layer, RoutedBlock):
+            if not isinstance(layer, RoutedBlock):
                 out = layer(x, self.rope_cos, self.rope_sin)
+            elif routing_mode == "topk":
+                out = layer(x, self.rope_cos, self.rope_sin, previous)
             elif routing_mode == "causal":
-                out = layer.forward_causal(x, self.rope_cos, self.rope_sin)
+                out = layer.forward_causal(x, self.rope_cos, self.rope_sin, previous)
             else:
                 out = layer.forward_dense(x, self.rope_cos, self.rope_sin)
             x = out.x
+            if out.processed is not None:
+                previous = out.processed
             for name, value in out.aux_losses.items():
                 aux[name] = aux[name] + value if name in aux else value
             if out.stats:

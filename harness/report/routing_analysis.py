@@ -44,8 +44,7 @@ def selection_masks(checkpoint: Path, n_windows: int = 16) -> tuple[np.ndarray, 
         out = model(x)
     masks = []
     for s in out.stats:
-        m = torch.zeros(x.shape, dtype=torch.bool).scatter_(1, s["layer_index"], True)
-        masks.append(m.numpy())
+        masks.append(s["layer_processed"].numpy())
     return x.numpy(), masks, cfg
 
 

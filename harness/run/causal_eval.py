@@ -81,8 +81,7 @@ def causal_decisions(model: GPT, x: Tensor) -> list[tuple[Tensor, Tensor]]:
         model.set_collect_stats(False)
         for r in routers:
             r.collect_causal = False
-    return [(s["causal_decide"], torch.zeros_like(s["causal_decide"]).scatter_(1, s["layer_index"], True))
-            for s in out.stats]
+    return [(s["causal_decide"], s["layer_processed"]) for s in out.stats]
 
 
 def causal_agreement(model: GPT, x: Tensor) -> list[float]:

@@ -65,7 +65,7 @@ def _evaluate(model, x, y, batch_size, device, autocast, hard_labels) -> dict[st
                 hard = hard_labels[i : i + batch_size].to(device).bool()
                 hard_total += hard.sum().item()
                 for layer, stats in enumerate(out.stats):
-                    sel = torch.zeros_like(hard).scatter_(1, stats["layer_index"], True)
+                    sel = stats["layer_processed"]
                     hits[layer] += (sel & hard).sum().item()
                     chosen[layer] += sel.sum().item()
     finally:

@@ -110,7 +110,7 @@ def log_routing_heatmap(model, val_x: torch.Tensor, device, tracker, run_dir: Pa
     finally:
         model.set_collect_stats(False)
         model.train()
-    selected = [s["layer_index"][0].cpu().numpy() for s in out.stats]
+    selected = [s["layer_processed"][0].nonzero().squeeze(1).cpu().numpy() for s in out.stats]
     path = routing_heatmap(selected, val_x.shape[1], run_dir / "routing_heatmap.png",
                            title=f"{model.routing.variant} C={model.routing.capacity:g}: processed positions (layers {routed_ids})")
     tracker.log_artifact(path)

@@ -1,0 +1,104 @@
+"""``nested``: expert choice nested across depth (Mixture-of-Recursions' routing).
+
+Source: Bae et al. 2025, Mixture-of-Recursions (arXiv:2507.10524), §2.2 "expert-choice
+routing": at each recursion step the router keeps its top-k only among the tokens that the
+previous step kept, so the active set shrinks monotonically with depth, and the output is
+weighted by the router's score, here α·sigmoid(r) (their sigmoid gate with a scale α). In a
+non-recursive stack the "recursion steps" are the routed layers: routed layer ℓ selects its
+top-k_ℓ among the tokens routed layer ℓ−1 processed. With one capacity for every layer the
+nesting selects the previous layer's set again; give the layers a decaying capacity
+(``capacity_first`` in the routing config, e.g. 0.5 → 0.125) so each layer keeps fewer.
+
+Causal rule: r > 0 (trained by an auxiliary BCE towards the layer's own top-k membership, as
+``sigmoid``) *and* processed by the previous routed layer — nested at decode time as well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .base import Router, Routing, VariantConfig, topk_membership
+from .linear_router import LinearScorer
+from .registry import register_variant
+
+
+@dataclass(frozen=True)
+class NestedConfig(VariantConfig):
+    alpha: float = 1.0  # output weight α·sigmoid(r)
+    aux_weight: float = 0.01  # BCE of r against the layer's top-k membership (the causal rule r > 0)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.alpha <= 10.0:
+            raise ValueError(f"alpha must be in (0, 10], got {self.alpha}")
+        if self.aux_weight < 0:
+            raise ValueError(f"aux_weight must be >= 0, got {self.aux_weight}")
+
+
+class NestedRouter(Router):
+    scope = "block"
+
+    def __init__(self, d_model: int, config: NestedConfig) -> None:
+        super().__init__(config)
+        self.scorer = LinearScorer(d_model)
+
+    def score(self, x: Tensor) -> Tensor:
+        """r = w·x + b; inside ``route`` with a previous layer, tokens it skipped get r − 10⁴."""
+        scores = self.scorer(x)
+        if self._previous is not None:
+            scores = torch.where(self._previous, scores, scores - 1e4)
+        return scores
+
+    def route(self, x: Tensor, k: int, previous: Tensor | None = None) -> Routing:
+        if previous is None:
+            return super().route(x, k)
+        # Tokens the previous routed layer skipped cannot be chosen: their score drops below every
+        # other (k never exceeds the previous layer's count when capacities decay; if it does, the
+        # extra slots go to the best of the skipped tokens rather than failing).
+        self._previous = previous
+        try:
+            return super().route(x, k, previous)
+        finally:
+            self._previous = None
+
+    _previous: Tensor | None = None  # set only while ``route`` runs
+
+    def mix_weight(self, selected_scores: Tensor, scores: Tensor) -> Tensor:
+        return self.config.alpha * torch.sigmoid(self._raw(selected_scores))
+
+    def causal_weight(self, x: Tensor, decide: Tensor) -> Tensor:
+        return self.config.alpha * torch.sigmoid(self.scorer(x))
+
+    @staticmethod
+    def _raw(scores: Tensor) -> Tensor:
+        # undo the −1e4 of skipped tokens (selected only when k exceeds the previous count)
+        return torch.where(scores < -5e3, scores + 1e4, scores)
+
+    def aux_losses(self, x: Tensor, scores: Tensor, index: Tensor) -> dict[str, Tensor]:
+        if self.config.aux_weight == 0:
+            return {}
+        raw = self._raw(scores)
+        return {"router_bce": F.binary_cross_entropy_with_logits(raw, topk_membership(raw, index))}
+
+    def aux_weights(self, step: int) -> dict[str, float]:
+        return {"router_bce": self.config.aux_weight}
+
+    def decide_causal(self, x: Tensor) -> Tensor:
+        return self.scorer(x) > 0
+
+    def decide_causal_given(self, x: Tensor, previous: Tensor | None) -> Tensor:
+        decide = self.decide_causal(x)
+        return decide if previous is None else decide & previous
+
+    def flops_per_token(self, d_model: int) -> tuple[float, float]:
+        return LinearScorer.flops(d_model)
+
+
+@register_variant("nested", config=NestedConfig,
+                  source="Mixture-of-Recursions, Bae et al. 2025 (arXiv:2507.10524) §2.2, expert-choice routing")
+def build_nested(d_model: int, config: NestedConfig) -> NestedRouter:
+    """Top-k only among the tokens the previous routed layer processed; delta × α·sigmoid(r)."""
+    return NestedRouter(d_model, config)

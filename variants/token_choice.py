@@ -1,0 +1,180 @@
+"""Routers where each token decides for itself: ``token_choice`` and ``threshold``.
+
+Expert choice (top-k, the rest of modbench) fixes how many tokens a layer processes; here
+every token decides from its own score, so the count varies per sequence and the training
+rule *is* the decoding rule — no top-k, nothing to imitate at decode time.
+
+- ``token_choice`` (Raposo et al. 2024, arXiv:2404.02258, §3.1 "Routing schemes": token-choice
+  routing, where a router per token picks its path and a balancing loss keeps the load near
+  the capacity): process a token iff sigmoid(r) ≥ 0.5, r = w·x + b; its delta is weighted by
+  sigmoid(r) (the router's gradient path); balancing loss (share processed − C)², the share
+  taken through a straight-through estimator (balancing mean sigmoid(r) instead can leave no
+  token above 0.5).
+- ``threshold`` (Router-Tuning, arXiv:2410.13184 §3; MoDification, arXiv:2410.14268 §3):
+  process a token iff p = sigmoid(w·RMSNorm(x) + b) ≥ τ. The delta is multiplied by the hard
+  decision with a straight-through estimator (forward 1, backward ∂p), so a processed
+  token's output is exactly x + delta, and the capacity penalty relu(mean(mask) − C) (with
+  the same estimator) pushes the processed share down to C.
+
+**Batched execution (the choice the issue asks us to state):** a fixed k_max = ⌈slack · C · T⌉
+slots per sequence (``slack`` option, default 2), static shapes and no host sync; the
+processed tokens are the ones above the threshold among the k_max highest scores, in
+ascending position order. A sequence with more than k_max tokens above threshold drops its
+lowest-scoring ones (the overflow, logged as the ``overflow`` statistic): only then does a
+later token's score change an earlier decision, and only then do training and decoding
+differ. Analytic FLOPs count the k_max slots the block runs (what ``FlopCounterMode`` sees);
+the routing statistic ``fraction`` and the causal evaluation report the realised share, and
+``modbench.model.sizing.decode_flops_per_token`` the cost at that share.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .base import Router, Routing, VariantConfig
+from .linear_router import LinearScorer
+from .registry import register_variant
+
+
+@dataclass(frozen=True)
+class TokenChoiceConfig(VariantConfig):
+    balance_weight: float = 0.01  # weight of (share processed − C)²
+    slack: float = 2.0  # k_max = ⌈slack · C · T⌉ slots per sequence
+
+    def __post_init__(self) -> None:
+        if self.balance_weight < 0:
+            raise ValueError(f"balance_weight must be >= 0, got {self.balance_weight}")
+        if not 1.0 <= self.slack <= 64:
+            raise ValueError(f"slack must be in [1, 64], got {self.slack}")
+
+
+@dataclass(frozen=True)
+class ThresholdConfig(VariantConfig):
+    tau: float = 0.5  # process iff sigmoid(w·norm(x)) >= tau
+    penalty_weight: float = 0.1  # weight of relu(mean(mask) − C)
+    slack: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.tau < 1.0:
+            raise ValueError(f"tau must be in (0, 1), got {self.tau}")
+        if self.penalty_weight < 0:
+            raise ValueError(f"penalty_weight must be >= 0, got {self.penalty_weight}")
+        if not 1.0 <= self.slack <= 64:
+            raise ValueError(f"slack must be in [1, 64], got {self.slack}")
+
+
+def straight_through(decision: Tensor, p: Tensor) -> Tensor:
+    """The hard 0/1 decision in the forward pass (exactly), the gradient of p in the backward."""
+    return decision.to(p.dtype) + (p - p.detach())
+
+
+class VariableCountRouter(Router):
+    """Each token decides by ``probability(x) >= threshold``; k_max slots per sequence."""
+
+    scope = "block"
+    threshold: float = 0.5
+
+    def __init__(self, d_model: int, config) -> None:
+        super().__init__(config)
+        self.scorer = LinearScorer(d_model)
+
+    def probability(self, x: Tensor) -> Tensor:
+        return torch.sigmoid(self.score(x))
+
+    def score(self, x: Tensor) -> Tensor:
+        return self.scorer(x)
+
+    def tokens_run(self, k: int, seq_len: int) -> int:
+        return min(seq_len, math.ceil(round(self.config.slack * k, 9)))
+
+    def decide_causal(self, x: Tensor) -> Tensor:
+        return self.probability(x) >= self.threshold
+
+    def route(self, x: Tensor, k: int, previous: Tensor | None = None) -> Routing:
+        T = x.shape[1]
+        scores = self.score(x)
+        p = torch.sigmoid(scores)
+        values, top = torch.topk(scores, self.tokens_run(k, T), dim=-1, sorted=False)
+        index, order = torch.sort(top, dim=-1)
+        selected = values.gather(-1, order)
+        valid = torch.sigmoid(selected) >= self.threshold
+        weight = self.selected_weight(torch.sigmoid(selected), valid)
+        aux = self.load_losses(p, k / T) if self.training else {}
+        stats = {}
+        if self.collect_stats:
+            stats = self.routing_stats(scores, index)
+            stats["fraction"] = valid.float().sum(-1).mean() / T
+            stats["overflow"] = ((p >= self.threshold).sum(-1) > valid.sum(-1)).float().mean()
+            if self.collect_causal:
+                stats["causal_decide"] = self.decide_causal(x)
+        return Routing(index=index, weight=weight.unsqueeze(-1) if weight is not None else None, aux_losses=aux,
+                       stats=stats, valid=valid)
+
+    # --- what the two variants differ in -------------------------------------------------
+    def selected_weight(self, p: Tensor, valid: Tensor) -> Tensor | None:
+        raise NotImplementedError
+
+    def load_losses(self, p: Tensor, capacity: float) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def flops_per_token(self, d_model: int) -> tuple[float, float]:
+        return LinearScorer.flops(d_model)
+
+
+class TokenChoiceRouter(VariableCountRouter):
+    def selected_weight(self, p: Tensor, valid: Tensor) -> Tensor:
+        return p
+
+    def causal_weight(self, x: Tensor, decide: Tensor) -> Tensor:
+        return self.probability(x)
+
+    def load_losses(self, p: Tensor, capacity: float) -> dict[str, Tensor]:
+        # On the decisions (straight-through), not on mean p: a mean probability of C can leave
+        # no token above 0.5.
+        return {"balance": (straight_through(p >= self.threshold, p).mean() - capacity) ** 2}
+
+    def aux_weights(self, step: int) -> dict[str, float]:
+        return {"balance": self.config.balance_weight}
+
+
+class ThresholdRouter(VariableCountRouter):
+    def __init__(self, d_model: int, config: ThresholdConfig) -> None:
+        super().__init__(d_model, config)
+        self.threshold = config.tau
+        self.norm = nn.RMSNorm(d_model)
+
+    def score(self, x: Tensor) -> Tensor:
+        return self.scorer(self.norm(x))
+
+    def selected_weight(self, p: Tensor, valid: Tensor) -> Tensor:
+        # Straight-through: the forward value is exactly 1 on processed slots (x + delta), the
+        # backward pass is that of p, so the router learns from the language-model loss.
+        return straight_through(valid, p)
+
+    def load_losses(self, p: Tensor, capacity: float) -> dict[str, Tensor]:
+        return {"capacity_penalty": F.relu(straight_through(p >= self.threshold, p).mean() - capacity)}
+
+    def aux_weights(self, step: int) -> dict[str, float]:
+        return {"capacity_penalty": self.config.penalty_weight}
+
+    def flops_per_token(self, d_model: int) -> tuple[float, float]:
+        return LinearScorer.flops(d_model)  # the RMSNorm is elementwise (counted as zero)
+
+
+@register_variant("token_choice", config=TokenChoiceConfig,
+                  source="Raposo et al. 2024 §3.1 (token-choice routing, arXiv:2404.02258)")
+def build_token_choice(d_model: int, config: TokenChoiceConfig) -> TokenChoiceRouter:
+    """Each token decides: process iff sigmoid(r) > 0.5, delta × sigmoid(r), balance loss to C."""
+    return TokenChoiceRouter(d_model, config)
+
+
+@register_variant("threshold", config=ThresholdConfig,
+                  source="Router-Tuning (arXiv:2410.13184) §3; MoDification (arXiv:2410.14268) §3")
+def build_threshold(d_model: int, config: ThresholdConfig) -> ThresholdRouter:
+    """Process iff sigmoid(w·norm(x)) >= τ, straight-through, capacity penalty relu(mean − C)."""
+    return ThresholdRouter(d_model, config)
