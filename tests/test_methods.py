@@ -132,3 +132,22 @@ def test_token_choice_balance_loss_pulls_the_rate_to_the_capacity():
         opt.step()
     rate = torch.cat([p.float().flatten() for p in processed(m, idx)]).mean().item()
     assert abs(rate - 0.25) < 0.1
+
+
+# --- p-MoD: TanhNorm and STRing ------------------------------------------------------------------
+@pytest.mark.parametrize("string", [True, False])
+def test_pmod_scales_skipped_tokens_by_their_tanhnorm_weight(string):
+    torch.manual_seed(6)
+    m = spread(GPT(CFG, RoutingConfig("pmod", capacity=0.25, pattern="all", options={"string": string})))
+    block: RoutedBlock = m.layers[0]
+    x = torch.randn(2, T, CFG.width)
+    out = block(x, m.rope_cos, m.rope_sin)
+    skipped = ~out.processed
+    w = 0.2 * torch.tanh(block.router.scorer(x)) + 1
+    assert ((w > 0.8) & (w < 1.2)).all()
+    expected = x * w.unsqueeze(-1) if string else x
+    torch.testing.assert_close(out.x[skipped], expected[skipped])
+    # STRing gives the router a gradient from the tokens it skips; without it, none
+    out.x[skipped].sum().backward()
+    grad = block.router.scorer.proj.weight.grad
+    assert (grad is not None and grad.abs().sum() > 0) == string

@@ -47,7 +47,7 @@ def reference_input(x, block):
 
 def test_sweep_covers_all_routed_variants():
     assert {"norm", "linear_softmax", "sigmoid", "learned_temperature", "mlp_skip", "random", "nested", "token_choice",
-            "threshold"} <= set(ROUTED)
+            "threshold", "pmod"} <= set(ROUTED)
 
 
 @pytest.mark.parametrize("name", ROUTED)
@@ -61,9 +61,12 @@ def test_processed_count_is_k_and_unselected_tokens_are_bit_identical(name):
         r = block.router.route(base, block.capacity.k(T))
     k = block.capacity.k(T)
     assert k == 12 and r.index.shape == (B, block.router.tokens_run(k, T))
-    changed = (out != base).any(-1)
+    with torch.no_grad():  # skipped rows: x itself, bit for bit — or w·x for p-MoD's STRing, by design
+        skipped = block.skipped(base)
+    assert (skipped is base) == (block.router.skip_scale(base) is None)
+    changed = (out != skipped).any(-1)
     selected = r.processed(T)
-    assert torch.equal(out[~selected], base[~selected])  # bit-identical, not allclose
+    assert torch.equal(out[~selected], skipped[~selected])  # bit-identical, not allclose
     assert torch.equal(changed, selected)  # exactly the processed tokens were written
     if r.valid is None:
         assert changed.sum(-1).tolist() == [k] * B  # expert choice: exactly k per sequence

@@ -144,6 +144,11 @@ class Router(nn.Module):
         at the first routed layer). Only routers that nest their selection (``nested``) use it."""
         return self.decide_causal(x)
 
+    def skip_scale(self, x: Tensor) -> Tensor | None:
+        """(B, T) multiplier on the residual stream of tokens this layer skips, or None (skipped
+        tokens pass through bit-identical). Only p-MoD's STRing scales them."""
+        return None
+
     def tokens_run(self, k: int, seq_len: int) -> int:
         """How many tokens the routed block runs for a nominal k (the static slot count; a
         variable-count router runs a fixed k_max and masks the slots it does not use)."""

@@ -168,7 +168,7 @@ class Decoder:
         # Decode step: run the block only for the sequences that process this token.
         rows = decide[:, 0].nonzero().squeeze(1)
         if rows.numel() == 0:
-            return x, decide  # nobody processes it: no K/V written, no work done
+            return layer.skipped(x), decide  # nobody processes it: no K/V written, no block run
         all_rows = rows.numel() == x.shape[0]
         xs = x if all_rows else x.index_select(0, rows)
         ones = torch.ones(xs.shape[:2], dtype=torch.bool, device=x.device)
@@ -176,7 +176,7 @@ class Decoder:
         out = layer.mix_causal(xs, ones, delta)
         if all_rows:
             return out, decide
-        return x.index_copy(0, rows, out), decide
+        return layer.skipped(x).index_copy(0, rows, out), decide
 
 
 # --- generation ---------------------------------------------------------------------------

@@ -195,12 +195,18 @@ class RoutedBlock(nn.Module):
             return self.block.mlp_delta(x)
         return self.block.delta(x, cos, sin, **attention)
 
+    def skipped(self, x: Tensor) -> Tensor:
+        """What a skipped token's residual stream becomes: x itself (bit for bit), or x scaled by the
+        router's ``skip_scale`` (p-MoD's STRing)."""
+        scale = self.router.skip_scale(x)
+        return x if scale is None else x * scale.unsqueeze(-1).to(x.dtype)
+
     def mix_causal(self, x: Tensor, decide: Tensor, delta: Tensor) -> Tensor:
-        """x + w·delta where ``decide``, x unchanged (bit for bit) elsewhere: causal mode and decoding."""
+        """x + w·delta where ``decide``, ``skipped(x)`` elsewhere: causal mode and decoding."""
         weight = self.router.causal_weight(x, decide)
         if weight is not None:
             delta = delta * weight.unsqueeze(-1).to(delta.dtype)
-        return torch.where(decide.unsqueeze(-1), x + delta, x)
+        return torch.where(decide.unsqueeze(-1), x + delta, self.skipped(x))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, previous: Tensor | None = None) -> LayerOutput:
         B, T, d = x.shape
@@ -223,6 +229,9 @@ class RoutedBlock(nn.Module):
         # Under autocast the delta leaves the linears in bf16 while the residual stream stays fp32.
         out = flat.index_add(0, rows, delta.reshape(B * k, d).to(flat.dtype)).view(B, T, d)
         processed = r.processed(T)
+        scale = self.router.skip_scale(x)
+        if scale is not None:  # p-MoD's STRing: skipped tokens are scaled by their weight too
+            out = torch.where(processed.unsqueeze(-1), out, x * scale.unsqueeze(-1).to(x.dtype))
         stats = dict(r.stats, layer_index=r.index, layer_processed=processed) if self.router.collect_stats else r.stats
         return LayerOutput(out, r.aux_losses, stats, processed)
 
