@@ -30,6 +30,8 @@
     lr_mult  = [1.0]
     depth    = [4]               # model sizes (iso-FLOP studies)
     width    = [0]               # n_embd override (0: the [model] width); heads = width / head_dim
+    capacity_first = [0.0]       # capacity of the first routed layer, decaying to `capacity` over
+                                 # depth (p-MoD's progressive decay; 0: every layer at `capacity`)
     budget   = ["flops=1e13"]    # training budgets (iso-FLOP studies)
 
     [[space.also]]               # more grids, unioned with [space]; a key left out takes [space]'s list
@@ -67,10 +69,10 @@ SAMPLERS = ("grid", "tpe", "nsga2", "random")
 PRUNERS = ("none", "median", "hyperband")
 # Study objectives are declared metrics of modbench.results (old spellings such as val_bpb are aliases).
 OBJECTIVES = ("val/bpb", "val/causal_bpb", "test/bpb", "test/causal_bpb", "perf/flops_per_token", "perf/train_tokens_per_s")
-SPACE_KEYS = ("variant", "capacity", "pattern", "schedule", "lr_mult", "depth", "budget", "width")
+SPACE_KEYS = ("variant", "capacity", "pattern", "schedule", "lr_mult", "depth", "budget", "width", "capacity_first")
 SPACE_DEFAULTS: dict[str, list[Any]] = {
     "variant": ["dense"], "capacity": [0.125], "pattern": ["alternate"], "schedule": ["constant"],
-    "lr_mult": [1.0], "depth": [], "budget": [], "width": [0],
+    "lr_mult": [1.0], "depth": [], "budget": [], "width": [0], "capacity_first": [0.0],
 }
 CONTROLS = ("matched_dense", "iso_token_dense")
 CLAIMS = ("mod_vs_best_dense", "learned_vs_random", "causal_rule")  # see modbench.report.claims
@@ -109,12 +111,14 @@ class Arm:
     budget: str
     width: int = 0  # 0: the [model] width
     control: str = ""  # for a derived control arm: what it controls ("matched to sigmoid C=0.125 alternate")
+    capacity_first: float = 0.0  # 0: every routed layer at `capacity` (RoutingConfig.capacity_first None)
 
     @property
     def label(self) -> str:
         parts = [self.variant]
         if self.variant != "dense":
-            parts += [f"C={self.capacity:g}", self.pattern] + (["log"] if self.schedule == "log" else [])
+            cap = f"C={self.capacity_first:g}→{self.capacity:g}" if self.capacity_first else f"C={self.capacity:g}"
+            parts += [cap, self.pattern] + (["log"] if self.schedule == "log" else [])
         if self.width:
             parts.append(f"L{self.depth} d{self.width}")
         if self.lr_mult != 1.0:
@@ -128,10 +132,11 @@ class Arm:
 
 
 def canonical_arm(variant: str, capacity: float, pattern: str, schedule: str, lr_mult: float, depth: int, budget: str,
-                  width: int = 0, control: str = "") -> Arm:
+                  width: int = 0, capacity_first: float = 0.0, control: str = "") -> Arm:
     if variant == "dense":
-        capacity, pattern, schedule = 1.0, "-", "constant"
-    return Arm(variant, float(capacity), pattern, schedule, float(lr_mult), int(depth), budget, int(width), control)
+        capacity, pattern, schedule, capacity_first = 1.0, "-", "constant", 0.0
+    return Arm(variant, float(capacity), pattern, schedule, float(lr_mult), int(depth), budget, int(width), control,
+               float(capacity_first))
 
 
 @dataclass(frozen=True)
@@ -180,7 +185,7 @@ class Study:
         if arm.width:
             model = replace(model, n_embd=arm.width, n_head=heads_for(arm.width, self.base.model))
         routing = RoutingConfig(arm.variant, arm.capacity, arm.schedule, arm.pattern if arm.pattern != "-" else "alternate",
-                                dict(self.options.get(arm.variant, {})))
+                                dict(self.options.get(arm.variant, {})), arm.capacity_first or None)
         train = replace(self.base.train, seed=seed, budget=arm.budget, lr=self.base.train.lr * arm.lr_mult, **train_overrides)
         return RunConfig(model, routing, train)
 
@@ -353,6 +358,7 @@ def _parse_space(p: Path, where: str, raw: dict[str, Any], defaults: dict[str, A
     space["schedule"] = choices("schedule", _schedule)
     space["budget"] = choices("budget", _budget)
     space["width"] = choices("width", _width_for(base))
+    space["capacity_first"] = choices("capacity_first", lambda v: 0.0 if v == 0 else check_capacity(v))
     return space
 
 

@@ -113,19 +113,20 @@ def control_arms(study: Study) -> list[Arm]:
     out: dict[Arm, None] = {}
     seen_shapes: set[tuple] = set()
     for arm in study.main_arms():
-        shape = (arm.capacity, arm.pattern, arm.schedule, arm.depth, arm.width, arm.budget, arm.lr_mult)
+        shape = (arm.capacity, arm.capacity_first, arm.pattern, arm.schedule, arm.depth, arm.width, arm.budget, arm.lr_mult)
         if arm.variant == "dense" or shape in seen_shapes:
             continue
         seen_shapes.add(shape)
         cfg = study.run_config(arm, study.settings.seeds[0])
-        what = f"C={arm.capacity:g} {arm.pattern}" + (" log" if arm.schedule == "log" else "")
+        what = (f"C={arm.capacity_first:g}→{arm.capacity:g}" if arm.capacity_first else f"C={arm.capacity:g}") \
+            + f" {arm.pattern}" + (" log" if arm.schedule == "log" else "")
         if "matched_dense" in wanted:
             depth, width, _ = matched_dense_shape(cfg)
             out.setdefault(canonical_arm("dense", 1.0, "-", "constant", arm.lr_mult, depth, arm.budget, width,
-                                         f"FLOP-matched to {what}"), None)
+                                         control=f"FLOP-matched to {what}"), None)
         if "iso_token_dense" in wanted and Budget.parse(arm.budget).kind == "flops":
             out.setdefault(canonical_arm("dense", 1.0, "-", "constant", arm.lr_mult, arm.depth, iso_token_budget(cfg),
-                                         arm.width, f"iso-tokens of {what}"), None)
+                                         arm.width, control=f"iso-tokens of {what}"), None)
     return list(out)
 
 

@@ -66,6 +66,8 @@ def arm_params(arm: Arm) -> dict[str, Any]:
     params.update(lr_mult=arm.lr_mult, depth=arm.depth, budget=arm.budget)
     if arm.width:
         params["width"] = arm.width
+    if arm.capacity_first:
+        params["capacity_first"] = arm.capacity_first
     if arm.control:
         params["control"] = arm.control
     return params
@@ -91,7 +93,7 @@ def arm_of(trial: optuna.Trial, study: Study) -> Arm:
     dense = fixed["variant"] == "dense"
     return canonical_arm(fixed["variant"], 1.0 if dense else fixed["capacity"], "-" if dense else fixed["pattern"],
                          "constant" if dense else fixed["schedule"], fixed["lr_mult"], fixed["depth"], fixed["budget"],
-                         fixed.get("width", 0), fixed.get("control", ""))
+                         fixed.get("width", 0), fixed.get("capacity_first", 0.0), fixed.get("control", ""))
 
 
 def suggest_arm(trial: optuna.Trial, study: Study) -> Arm:
