@@ -151,3 +151,33 @@ def test_pmod_scales_skipped_tokens_by_their_tanhnorm_weight(string):
     out.x[skipped].sum().backward()
     grad = block.router.scorer.proj.weight.grad
     assert (grad is not None and grad.abs().sum() > 0) == string
+
+
+# --- capacity warm-up ------------------------------------------------------------------------------
+def test_capacity_warmup_falls_from_one_to_c_and_flop_budgets_count_each_step(tmp_cwd):
+    from modbench.config.run import RunConfig, TrainConfig
+    from modbench.run.train import train
+
+    routing = RoutingConfig("sigmoid", capacity=0.25, pattern="all", capacity_warmup_steps=10)
+    m = GPT(CFG, routing)
+    ks = []
+    for step in range(12):
+        m.set_step(step)
+        ks.append(m.layers[0].capacity.k(T))
+    assert ks[0] == T and ks[10:] == [16, 16] and ks == sorted(ks, reverse=True)
+    m.set_step(10**9)
+    steady = m.flops_per_token(T)
+    assert m.training_flops_per_token(T, 30) > 30 * steady  # the warm-up steps cost more
+    assert m.training_flops_per_token(T, 30) - m.training_flops_per_token(T, 29) == pytest.approx(steady)
+    # a FLOP budget buys fewer steps with the warm-up than without, and is never exceeded
+    model_cfg = ModelConfig(depth=4, n_embd=32, head_dim=8, max_seq_len=32)
+    budget = "flops=5e8"
+    results = []
+    for warm in (0, 10):
+        cfg = RunConfig(model_cfg, RoutingConfig("sigmoid", 0.25, pattern="all", capacity_warmup_steps=warm),
+                        TrainConfig(dataset="arithmetic", seq_len=32, batch_size=4, budget=budget, eval_every=1000,
+                                    eval_windows=4, track=False))
+        results.append(train(cfg))
+    assert results[1].steps < results[0].steps
+    assert all(r.flops <= 5e8 for r in results)
+    assert results[1].flops > 5e8 * 0.9  # and nearly spent

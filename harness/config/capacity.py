@@ -56,6 +56,14 @@ class CapacitySchedule:
         log_ratio = min(1.0, math.log(max(seq_len, 1)) / math.log(self.max_seq_len))
         return 1.0 - log_ratio * (1.0 - self.capacity)
 
+    def warmed(self, step: int, warmup_steps: int) -> "CapacitySchedule":
+        """This schedule at a training step of a capacity warm-up: the capacity falls from 1.0 to
+        its own value along a cosine over ``warmup_steps`` steps (then stays)."""
+        if warmup_steps <= 0 or step >= warmup_steps:
+            return self
+        c = self.capacity + (1.0 - self.capacity) * (1 + math.cos(math.pi * step / warmup_steps)) / 2
+        return CapacitySchedule(min(1.0, c), self.schedule, self.max_seq_len)
+
     def k(self, seq_len: int) -> int:
         """Tokens processed out of ``seq_len`` (a Python int: shapes stay static)."""
         return max(1, min(seq_len, math.floor(round(self.effective(seq_len) * seq_len, 9))))

@@ -92,8 +92,13 @@ class RoutingConfig:
     # routed layer's capacity, decaying to ``capacity`` at the last along a cosine (p-MoD's
     # progressive ratio decay, Zhang et al. 2024, arXiv:2412.04449 §3.3). Every variant can use it.
     capacity_first: float | None = None
+    # Capacity warm-up: every routed layer starts at capacity 1.0 and falls to its own capacity
+    # along a cosine over this many training steps (0: none). Training FLOPs count each step at
+    # its own capacity (``GPT.training_flops``), so FLOP budgets stay exact.
+    capacity_warmup_steps: int = bounded(0, 0, 1 << 40)
 
     def __post_init__(self) -> None:
+        check_bounds(self, "routing")
         if self.capacity_first is not None:
             check_capacity(self.capacity_first)
 

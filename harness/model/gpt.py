@@ -179,7 +179,8 @@ class RoutedBlock(nn.Module):
         super().__init__()
         self.block = Block(cfg)
         self.router = router
-        self.capacity = capacity
+        self.base_capacity = capacity  # after any warm-up
+        self.capacity = capacity  # at the current training step (GPT.set_step)
 
     # The router's scope is read here, and only here: what runs on every token before routing,
     # and which part of the block the router gates.
@@ -327,6 +328,12 @@ class GPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * self.cfg.layers) if name.endswith("proj.weight") else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
 
+    def set_step(self, step: int) -> None:
+        """Training step, for the capacity warm-up (``RoutingConfig.capacity_warmup_steps``)."""
+        for layer in self.layers:
+            if isinstance(layer, RoutedBlock):
+                layer.capacity = layer.base_capacity.warmed(step, self.routing.capacity_warmup_steps)
+
     @property
     def routers(self) -> list[Router]:
         return [layer.router for layer in self.layers if isinstance(layer, RoutedBlock)]
@@ -390,8 +397,25 @@ class GPT(nn.Module):
         return flop_math.FlopReport.from_layers(seq_len, layers, head, backward=backward)
 
     def flops_per_token(self, seq_len: int, *, causal: bool = True, backward: bool = True) -> float:
-        """Analytic training (or forward-only) FLOPs per token; see ``modbench.model.flops``."""
+        """Analytic training (or forward-only) FLOPs per token at the layers' current capacity;
+        see ``modbench.model.flops``."""
         return self.flop_report(seq_len, causal=causal, backward=backward).per_token
+
+    def training_flops_per_token(self, seq_len: int, steps: int) -> float:
+        """Σ over training steps 0 … steps−1 of the FLOPs per token at each step's capacity: with a
+        capacity warm-up the early steps cost more; without one, steps × ``flops_per_token``."""
+        warm = min(steps, self.routing.capacity_warmup_steps)
+        final = [layer.capacity for layer in self.layers if isinstance(layer, RoutedBlock)]
+        try:
+            total = 0.0
+            for s in range(warm):
+                self.set_step(s)
+                total += self.flops_per_token(seq_len)
+            self.set_step(1 << 62)
+            return total + (steps - warm) * self.flops_per_token(seq_len)
+        finally:
+            for layer, cap in zip((l for l in self.layers if isinstance(l, RoutedBlock)), final):
+                layer.capacity = cap
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -229,11 +229,35 @@ def _setup(cfg: RunConfig, device: torch.device) -> _Run:
         base_lrs=[g["lr"] for g in optimizer.param_groups],
         autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None,
         tokens_per_step=tokens_per_step, flops_per_token=flops_per_token, budget=budget,
-        total_steps=budget.steps(tokens_per_step, flops_per_token * tokens_per_step),
+        total_steps=_budget_steps(model, budget, t.seq_len, tokens_per_step),
         data_gen=torch.Generator().manual_seed(t.seed), val=_eval_set(corpus, "val", t),
         routed_ids=[i for i, layer in enumerate(model.layers) if isinstance(layer, RoutedBlock)],
         run_dir=run_dir, ckpt_path=run_dir / "checkpoint.pt", lm_acc=torch.zeros((), device=device),
     )
+
+
+def _budget_steps(model: GPT, budget: Budget, seq_len: int, tokens_per_step: int) -> int | None:
+    """Optimizer steps the budget allows. A FLOP budget with a capacity warm-up counts each step
+    at its own capacity: the largest n whose cumulative FLOPs fit (the warm-up only costs more)."""
+    flops_per_step = model.flops_per_token(seq_len) * tokens_per_step
+    steps = budget.steps(tokens_per_step, flops_per_step)
+    if budget.kind != "flops" or not model.routing.capacity_warmup_steps:
+        return steps
+    low, high = 0, steps  # cost(high) >= budget's steady-state count: search down
+    while low < high:
+        mid = (low + high + 1) // 2
+        if model.training_flops_per_token(seq_len, mid) * tokens_per_step <= budget.amount * (1 + 1e-12):
+            low = mid
+        else:
+            high = mid - 1
+    if low < 1:
+        raise ModbenchError(f"budget {budget} is smaller than one training step with the capacity warm-up: raise it")
+    return low
+
+
+def cumulative_flops(run: "_Run") -> float:
+    """Training FLOPs spent in the run's steps so far (each step at its own capacity)."""
+    return run.model.training_flops_per_token(run.cfg.train.seq_len, run.step) * run.tokens_per_step
 
 
 def _restore(run: _Run) -> None:
@@ -272,7 +296,7 @@ def _log_start(run: _Run) -> None:
         "budget.resolved_steps": run.total_steps if run.total_steps is not None else "time",
         "budget.tokens_per_step": run.tokens_per_step,
         "budget.flops_per_token": run.flops_per_token,
-        "budget.total_flops": (run.total_steps or 0) * run.tokens_per_step * run.flops_per_token,
+        "budget.total_flops": run.model.training_flops_per_token(run.cfg.train.seq_len, run.total_steps or 0) * run.tokens_per_step,
         "model.params": run.model.num_params(),
         "routing.resolved_pattern": pattern_string(run.model.routed_flags),
     }
@@ -297,6 +321,7 @@ def _train_step(run: _Run, frac: float) -> bool:
     for g, base in zip(run.optimizer.param_groups, run.base_lrs):
         g["lr"] = lr_at(frac, base, run.cfg)
     log_now = (run.step + 1) % t.log_every == 0 or (run.total_steps is not None and run.step + 1 == run.total_steps)
+    run.model.set_step(run.step)  # the capacity warm-up, if any
     step_start = time.perf_counter()
     for micro in range(t.grad_accum):
         _micro_step(run, micro, collect_stats=log_now and micro == 0)
@@ -373,7 +398,7 @@ def _evaluate_phase(run: _Run, on_eval: Callable[[int, dict[str, float]], None] 
     val = evaluate(run.model, val_x, val_y, batch_size=t.batch_size, device=run.device, autocast=run.autocast,
                    hard_labels=val_hard)
     logged = {f"val/{k}": v for k, v in val.items()}
-    logged.update({"perf/cum_flops": run.step * run.tokens_per_step * run.flops_per_token,
+    logged.update({"perf/cum_flops": cumulative_flops(run),
                    "perf/cum_tokens": run.step * run.tokens_per_step})
     run.tracker.log_metrics(logged, run.step)
     run.history.append({"step": run.step, **logged})
@@ -385,6 +410,7 @@ def _evaluate_phase(run: _Run, on_eval: Callable[[int, dict[str, float]], None] 
 def _finish(run: _Run) -> TrainResult:
     """Calibrate the causal rules, evaluate val (all routing modes) and test, log, save."""
     t = run.cfg.train
+    run.model.set_step(1 << 62)  # evaluate (and save) the model at its final capacity, past any warm-up
     # The causal rules' running thresholds lag behind drifting scores: re-estimate them on the
     # final weights from training batches of their own stream (modbench.run.causal_eval), then the
     # final validation also scores the causal and dense routing modes (train/inference gap).
@@ -405,7 +431,7 @@ def _finish(run: _Run) -> TrainResult:
     overhead = run.tracker.seconds / max(wall, 1e-9)
     final = {**{f"val/{k}": v for k, v in val.items()}, **{f"test/{k}": v for k, v in test.items()},
              "perf/train_tokens_per_s": tokens_per_s, "perf/logging_overhead": overhead,
-             "perf/total_flops": tokens_done * run.flops_per_token, "perf/flops_per_token": run.flops_per_token}
+             "perf/total_flops": cumulative_flops(run), "perf/flops_per_token": run.flops_per_token}
     run.tracker.log_metrics(final, run.step)
     log_routing_heatmap(run.model, val_x, run.device, run.tracker, run.run_dir, run.routed_ids)
     _save(run)
@@ -414,7 +440,7 @@ def _finish(run: _Run) -> TrainResult:
     record = RunRecord(run.tracker.run_id, "FINISHED", run.cfg.to_dict(), declared(final), run.step, tokens_done,
                        checkpoint)
     return TrainResult(record=record, 
-        run_id=run.tracker.run_id, steps=run.step, tokens=tokens_done, flops=tokens_done * run.flops_per_token,
+        run_id=run.tracker.run_id, steps=run.step, tokens=tokens_done, flops=cumulative_flops(run),
         flops_per_token=run.flops_per_token, val=val, test=test, tokens_per_s=tokens_per_s, logging_overhead=overhead,
         history=run.history, checkpoint=run.ckpt_path,
     )
