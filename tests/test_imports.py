@@ -22,17 +22,18 @@ SOURCE_DIRS = {"modbench": REPO / "harness", "modbench.variants": REPO / "varian
 # Which sub-packages each may import (the root ``modbench`` holds only ``__version__``).
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
+    "progress": set(),
     "results": {"errors"},
     "variants": {"errors"},
     "data": {"errors"},
     "config": {"errors", "results", "variants", "data"},
     "model": {"errors", "config", "variants"},
     "track": {"errors", "results", "config"},
-    "run": {"errors", "results", "config", "data", "variants", "model", "track"},
+    "run": {"errors", "results", "config", "data", "variants", "model", "track", "progress"},
     "bench": {"errors", "config", "variants", "model"},
     "report": {"errors", "results", "config", "data", "variants", "model", "track"},
-    "study": {"errors", "results", "config", "data", "model", "run", "track"},
-    "cli": {"errors", "results", "config", "data", "variants", "model", "track", "run", "bench", "report", "study"},
+    "study": {"errors", "results", "config", "data", "model", "run", "track", "progress"},
+    "cli": {"errors", "results", "config", "data", "variants", "model", "track", "run", "bench", "report", "study", "progress"},
 }
 
 

@@ -500,6 +500,6 @@ class _NoBar:
 def _progress(enabled: bool, total: int | None, initial: int, desc: str):
     if not enabled:
         return _NoBar()
-    from tqdm.auto import tqdm
+    from modbench.progress import progress_bar
 
-    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
+    return progress_bar(total=total, initial=initial, desc=desc, unit="step")

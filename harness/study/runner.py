@@ -368,10 +368,10 @@ class _Progress:
         self.runner = runner
         self.bar = None
         if enabled:
-            from tqdm.auto import tqdm
+            from modbench.progress import progress_bar
 
             done = sum(runner.counts().get(k, 0) for k in ("COMPLETE", "PRUNED", "FAIL"))
-            self.bar = tqdm(total=runner.expected_total(), initial=done, desc=f"study {runner.study.name}", unit="trial", dynamic_ncols=True)
+            self.bar = progress_bar(total=runner.expected_total(), initial=done, desc=f"study {runner.study.name}", unit="trial")
 
     def update(self) -> None:
         if self.bar is None:
