@@ -181,3 +181,28 @@ def test_capacity_warmup_falls_from_one_to_c_and_flop_budgets_count_each_step(tm
     assert results[1].steps < results[0].steps
     assert all(r.flops <= 5e8 for r in results)
     assert results[1].flops > 5e8 * 0.9  # and nearly spent
+
+
+# --- MoDE (staged): MoD routing, then a top-1 mixture of expert MLPs -------------------------------
+def test_mode_staged_runs_each_processed_token_through_its_top_expert():
+    from modbench.model.gpt import TopOneMoE
+
+    torch.manual_seed(7)
+    m = GPT(CFG, RoutingConfig("mode_staged", capacity=0.25, pattern="all", options={"experts": 3}))
+    moe = m.layers[0].block.mlp
+    assert isinstance(moe, TopOneMoE) and len(moe.experts) == 3
+    h = torch.randn(2, 10, CFG.width)
+    with torch.no_grad():
+        got = moe(h)
+        p = torch.softmax(moe.gate(h), -1)
+        for b in range(2):
+            for t in range(10):
+                e = int(p[b, t].argmax())
+                torch.testing.assert_close(got[b, t], p[b, t, e] * moe.experts[e](h[b, t]), rtol=1e-5, atol=1e-6)
+    out = m(torch.randint(0, 256, (2, T)), torch.randint(0, 256, (2, T)))
+    assert out.aux_losses["expert_balance"].item() >= 1.0 - 1e-6  # n·Σ f·P ≥ 1, equality when balanced
+    # FLOPs: one expert per token plus the gate: the MLP part grows by the gate only
+    plain = GPT(CFG, RoutingConfig("sigmoid", capacity=0.25, pattern="all"))
+    grow = m.flop_report(T).breakdown["mlp"] - plain.flop_report(T).breakdown["mlp"]
+    k = m.layers[0].capacity.k(T)
+    assert grow == pytest.approx(CFG.layers * k * 2 * CFG.width * 3)

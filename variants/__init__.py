@@ -3,7 +3,8 @@
 Built in: the seed recipes ``norm``, ``linear_softmax``, ``sigmoid``, ``learned_temperature``,
 ``mlp_skip``; the baseline ``dense`` and the controls ``random``, ``random_gated``, ``random_mlp``;
 and methods of the later literature: ``nested`` (Mixture-of-Recursions), ``token_choice``,
-``threshold`` (Router-Tuning / MoDification), ``pmod`` (p-MoD's TanhNorm and STRing). Add your own with ``@register_variant`` (see README).
+``threshold`` (Router-Tuning / MoDification), ``pmod`` (p-MoD's TanhNorm and STRing),
+``mode_staged`` (MoD with a mixture-of-experts MLP). Add your own with ``@register_variant`` (see README).
 """
 
 from .base import QuantileThreshold, Router, Routing, RunningMean, VariantConfig, linear_ramp, topk_membership
@@ -17,7 +18,7 @@ from .registry import (
 )
 
 # Importing the modules registers the built-in variants.
-from . import controls, learned_temperature, linear_softmax, mlp_skip, nested, norm, pmod, sigmoid, token_choice  # noqa: E402,F401
+from . import controls, learned_temperature, linear_softmax, mlp_skip, mode, nested, norm, pmod, sigmoid, token_choice  # noqa: E402,F401
 
 __all__ = [
     "ENTRY_POINT_GROUP",

@@ -54,19 +54,22 @@ class LayerFlops:
 
 
 def block_flops(d: int, mlp_ratio: int, *, attn_tokens: int, mlp_tokens: int, causal: bool,
-                router: tuple[float, float] = (0.0, 0.0), seq_len: int | None = None) -> LayerFlops:
+                router: tuple[float, float] = (0.0, 0.0), seq_len: int | None = None,
+                mlp_gate: tuple[float, float] = (0.0, 0.0)) -> LayerFlops:
     """A pre-norm block whose attention sees ``attn_tokens`` and whose MLP sees ``mlp_tokens``.
 
     ``router`` is the (forward, backward) FLOPs per token of a router that scores all
-    ``seq_len`` tokens. Backward is 2× forward for the matmuls plus the router's own backward.
+    ``seq_len`` tokens; ``mlp_gate`` those of a mixture-of-experts gate on each MLP token (a
+    top-1 mixture runs one expert per token: one MLP's FLOPs). Backward is 2× forward for the
+    matmuls plus the router's and the gate's own backward.
     """
     proj_attn, _ = projection_flops(d, mlp_ratio, attn_tokens)
     _, proj_mlp = projection_flops(d, mlp_ratio, mlp_tokens)
     T = seq_len if seq_len is not None else attn_tokens
-    parts = {"attn_proj": proj_attn, "attn_scores": attention_flops(d, attn_tokens, causal), "mlp": proj_mlp,
-             "router": router[0] * T}
-    matmuls = parts["attn_proj"] + parts["attn_scores"] + parts["mlp"]
-    return LayerFlops(parts, 2.0 * matmuls + router[1] * T, min(attn_tokens, mlp_tokens))
+    parts = {"attn_proj": proj_attn, "attn_scores": attention_flops(d, attn_tokens, causal),
+             "mlp": proj_mlp + mlp_gate[0] * mlp_tokens, "router": router[0] * T}
+    matmuls = parts["attn_proj"] + parts["attn_scores"] + proj_mlp
+    return LayerFlops(parts, 2.0 * matmuls + router[1] * T + mlp_gate[1] * mlp_tokens, min(attn_tokens, mlp_tokens))
 
 
 def head_flops(d: int, vocab_size: int, seq_len: int) -> LayerFlops:

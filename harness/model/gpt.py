@@ -103,6 +103,42 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
+class TopOneMoE(nn.Module):
+    """``n`` MLP experts; each token goes to its top-1 expert, output × that expert's gate
+    probability (Switch Transformer, Fedus et al. 2021, arXiv:2101.03961 §2.1), with Switch's
+    load-balancing loss n · Σᵢ fᵢ·Pᵢ (§2.2). Every token runs exactly one expert, so its FLOPs
+    per token are one MLP's plus the gate's, whatever the assignment. The MLP of MoDE (staged).
+
+    Execution: tokens sorted by expert, one matmul pair per expert on its slice. The slice
+    sizes are one host sync per layer (the price of ragged expert batches without a grouped
+    kernel).
+    """
+
+    def __init__(self, d: int, ratio: int, n: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d, n, bias=False)
+        self.experts = nn.ModuleList(MLP(d, ratio) for _ in range(n))
+        self.balance: Tensor | None = None  # the last training forward's load-balancing loss
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        p = F.softmax(self.gate(flat).float(), dim=-1)
+        weight, expert = p.max(-1)
+        order = torch.argsort(expert, stable=True)
+        counts = torch.bincount(expert, minlength=len(self.experts))
+        parts = flat.index_select(0, order).split(counts.tolist())
+        y = torch.cat([mlp(part) for mlp, part in zip(self.experts, parts)])
+        y = y * weight.index_select(0, order).unsqueeze(-1).to(y.dtype)
+        out = torch.empty_like(flat).index_copy_(0, order, y.to(flat.dtype))
+        if self.training:
+            self.balance = len(self.experts) * (counts.float() / flat.shape[0] * p.mean(0)).sum()
+        return out.view(x.shape)
+
+    def gate_flops(self, d: int) -> tuple[float, float]:
+        """(forward, backward) FLOPs per token of the gate (the experts count as one MLP)."""
+        return 2.0 * d * len(self.experts), 4.0 * d * len(self.experts)
+
+
 class Block(nn.Module):
     """Pre-norm block; ``delta`` is what it adds to the residual stream.
 
@@ -112,13 +148,14 @@ class Block(nn.Module):
     LayerCache``, passed in as in nanochat, with ``keep``/``rows`` for a routed layer).
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, experts: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
         self.norm1 = nn.RMSNorm(cfg.width)
         self.attn = Attention(cfg.width, cfg.heads)
         self.norm2 = nn.RMSNorm(cfg.width)
-        self.mlp = MLP(cfg.width, cfg.mlp_ratio)
+        # A mixture of experts when the variant asks for one (MoDE), else the MLP.
+        self.mlp = TopOneMoE(cfg.width, cfg.mlp_ratio, experts) if experts else MLP(cfg.width, cfg.mlp_ratio)
 
     def attention(self, x: Tensor, cos: Tensor, sin: Tensor, *, mask: Tensor | None = None, cache=None,
                   keep: Tensor | None = None, rows: Tensor | None = None) -> Tensor:
@@ -177,7 +214,7 @@ class RoutedBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, router: Router, capacity: CapacitySchedule) -> None:
         super().__init__()
-        self.block = Block(cfg)
+        self.block = Block(cfg, experts=router.mlp_experts)
         self.router = router
         self.base_capacity = capacity  # after any warm-up
         self.capacity = capacity  # at the current training step (GPT.set_step)
@@ -234,7 +271,10 @@ class RoutedBlock(nn.Module):
         if scale is not None:  # p-MoD's STRing: skipped tokens are scaled by their weight too
             out = torch.where(processed.unsqueeze(-1), out, x * scale.unsqueeze(-1).to(x.dtype))
         stats = dict(r.stats, layer_index=r.index, layer_processed=processed) if self.router.collect_stats else r.stats
-        return LayerOutput(out, r.aux_losses, stats, processed)
+        aux = r.aux_losses
+        if isinstance(self.block.mlp, TopOneMoE) and self.training:
+            aux = {**aux, "expert_balance": self.block.mlp.balance}
+        return LayerOutput(out, aux, stats, processed)
 
     def flops(self, seq_len: int, *, causal: bool = True) -> flop_math.LayerFlops:
         """Analytic FLOPs over one sequence: the block at k tokens (the MLP alone at k for
@@ -242,8 +282,10 @@ class RoutedBlock(nn.Module):
         k = self.router.tokens_run(self.capacity.k(seq_len), seq_len)
         attn_tokens = seq_len if self.router.scope == "mlp" else k
         cfg = self.block.cfg
+        mlp = self.block.mlp
+        gate = mlp.gate_flops(cfg.width) if isinstance(mlp, TopOneMoE) else (0.0, 0.0)
         return flop_math.block_flops(cfg.width, cfg.mlp_ratio, attn_tokens=attn_tokens, mlp_tokens=k, causal=causal,
-                                     router=self.router.flops_per_token(cfg.width), seq_len=seq_len)
+                                     router=self.router.flops_per_token(cfg.width), seq_len=seq_len, mlp_gate=gate)
 
     def forward_causal(self, x: Tensor, cos: Tensor, sin: Tensor, previous: Tensor | None = None) -> LayerOutput:
         """Route each token by ``decide_causal`` (its own state), in one masked pass.
