@@ -48,6 +48,14 @@ def test_report_end_to_end_has_every_section_and_plot(tmp_cwd):
     assert text.count("than dense") >= 2
     assert "| arm " in text and "|:--" in text  # markdown tables from pandas.to_markdown
     assert "modbench study run rep.toml" in text and str(tmp_cwd) not in text  # portable: no machine paths
+    # the report is also an artifact of the study's MLflow parent run
+    from mlflow.tracking import MlflowClient
+
+    from modbench.track.optuna_store import parent_run_id
+
+    parent = parent_run_id("rep", f"sqlite:///{tmp_cwd}/runs/studies/rep/optuna.db")
+    logged = {f.path for f in MlflowClient(f"sqlite:///{tmp_cwd}/mlflow.db").list_artifacts(parent, "report")}
+    assert {"report/report.md", "report/summary.json", "report/curves.png", "report/trials.csv"} <= logged
 
 
 def test_one_seed_per_arm_is_reported_not_tested(tmp_cwd):
@@ -74,6 +82,9 @@ def test_failed_arm_and_missing_dense_baseline(tmp_cwd, monkeypatch):
     text = (tmp_cwd / "reports" / "nodense" / "report.md").read_text()
     assert "no dense baseline" in text
     assert "2 fail" in text  # the trial count line reports the failed arm's trials
+    failed = text.split("## Arms with no finished trial", 1)[1].split("\n## ", 1)[0]
+    assert re.search(r"norm C=0.25 alternate\s*\|\s*2\s*\|", failed), failed
+    assert "training loss became nan at step 3" in failed  # the reason, from the trial
     assert "nan" not in text.lower().replace("became nan", "")
 
 

@@ -65,6 +65,24 @@ def arm_table(data: ReportData) -> pd.DataFrame:
     return out.sort_values(["group", "mean"]).reset_index(drop=True)
 
 
+def failed_arm_lines(trials: pd.DataFrame) -> list[str]:
+    """Arms with no finished trial, and why: an arm whose every seed failed is never silently absent."""
+    if trials.empty or "arm" not in trials:
+        return []
+    rows = []
+    for arm, g in trials.groupby("arm", sort=False):
+        if (g.state == "COMPLETE").any() or not (g.state == "FAIL").any():
+            continue
+        reasons = g.get("fail_reason", pd.Series(dtype=object)).dropna().astype(str).unique().tolist()
+        rows.append({"arm": arm, "failed trials": int((g.state == "FAIL").sum()),
+                     "reasons": "; ".join(redact(r) for r in reasons) or "not recorded"})
+    if not rows:
+        return []
+    return ["## Arms with no finished trial", "",
+            "Every trial of these arms failed, so they have no number in any table below:", "",
+            pd.DataFrame(rows).to_markdown(index=False), ""]
+
+
 def comparisons(data: ReportData, arms: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
     """Each group's routed arms vs its dense arm; Holm over the whole report's family."""
     frames, notes = [], []
@@ -132,6 +150,7 @@ def build_report(study_path: str | Path, *, uri: str, storage: str | None = None
         lines += ["**No trial has finished yet**, so there is nothing to compare. Run `modbench study run` first.", ""]
         return _finish(lines, data, dest, study_path, command)
 
+    lines += failed_arm_lines(data.trials)
     lines += claims_sections(data, dest)
     arms = arm_table(data)
     arms.to_csv(dest / "arms.csv", index=False)
@@ -294,7 +313,20 @@ def _finish(lines: list[str], data: ReportData, dest: Path, study_path, command:
     path = dest / "report.md"
     text = "\n".join(lines)
     path.write_text(text)
+    _log_on_parent_run(data, dest)
     return path
+
+
+def _log_on_parent_run(data: ReportData, dest: Path) -> None:
+    """The report (markdown, figures, CSVs, summary.json) as artifacts of the study's MLflow parent
+    run, under report/: whoever opens the study in the MLflow UI finds its report there."""
+    from mlflow.tracking import MlflowClient
+
+    from modbench.track.optuna_store import parent_run_id
+
+    run_id = parent_run_id(data.study.name, data.storage)
+    if run_id is not None and data.uri is not None:
+        MlflowClient(data.uri).log_artifacts(run_id, str(dest), artifact_path="report")
 
 
 def _portable(text: str) -> str:

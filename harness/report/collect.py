@@ -34,6 +34,7 @@ class ReportData:
     done: pd.DataFrame  # COMPLETE trials with arm/group labels and final metrics
     curves: pd.DataFrame  # arm, variant, capacity, seed, step, flops, tokens, val/bpb
     tags: dict[str, str] = field(default_factory=dict)
+    uri: str | None = None  # the MLflow tracking URI the runs were read from
 
 
 def _int(x) -> int:
@@ -69,7 +70,7 @@ def collect(study: Study, *, uri: str, storage: str | None = None, out_dir: str 
     done["arm"] = [study.label(row_arm(r)) for _, r in done.iterrows()] if len(done) else pd.Series(dtype=str)
     done["group"] = done.apply(lambda r: " ".join(f"{k}={r[k]}" for k in GROUP_KEYS if k in varying) or "all", axis=1) if len(done) else pd.Series(dtype=str)
     curves, tags = _from_mlflow(done, study.name, uri, progress)
-    return ReportData(study, url, trials, done, curves, tags)
+    return ReportData(study, url, trials, done, curves, tags, uri)
 
 
 def _from_mlflow(done: pd.DataFrame, experiment: str, uri: str, progress: bool = False) -> tuple[pd.DataFrame, dict[str, str]]:

@@ -103,6 +103,9 @@ def suggest_arm(trial: optuna.Trial, study: Study) -> Arm:
         choices = space[name]
         if isinstance(choices, Range):
             return trial.suggest_float(name, choices.low, choices.high, log=choices.log)
+        if len(choices) == 1:  # a constant: a user attribute, not a one-value parameter (blank Slice/Contour plots)
+            trial.set_user_attr(f"fixed.{name}", choices[0])
+            return choices[0]
         return trial.suggest_categorical(name, choices)
 
     variant = pick("variant")

@@ -39,12 +39,11 @@ from modbench.study.points import (
     refuse_changed_fixed_settings, suggest_arm,
 )
 from modbench.track.checkpoint import check_writable
-from modbench.track.optuna_store import connect_storage, default_storage, study_dir
+from modbench.track.optuna_store import PARENT_ATTR, connect_storage, default_storage, study_dir
 from modbench.track.tracking import Tracker, fail_stale_runs
 from modbench.run.train import train
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
-PARENT_ATTR = "mlflow_parent_run_id"  # set once the study is fully created (see _create_or_load)
 CREATION_WAIT_S = 300.0  # how long a worker waits for another to finish creating the study
 
 
@@ -220,10 +219,12 @@ class Runner:
         multi = len(s.directions) > 1
 
         def report(step: int, val: dict[str, float]) -> None:
-            if multi or s.settings.pruner == "none":
+            # Intermediate values at every evaluation (the dashboard's learning curves); Optuna
+            # keeps none for multi-objective studies. The periodic evaluation is top-k val bpb.
+            if multi:
                 return
-            trial.report(val["bpb"], step)  # intermediate values of the first objective's family, val/bpb
-            if trial.should_prune():
+            trial.report(val["bpb"], step)
+            if s.settings.pruner != "none" and trial.should_prune():
                 raise optuna.TrialPruned(f"pruned at step {step} (val bpb {val['bpb']:.4f})")
 
         with tracker:

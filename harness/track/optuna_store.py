@@ -16,6 +16,18 @@ from modbench.errors import ModbenchError, redact
 from modbench.results import METRICS
 
 
+PARENT_ATTR = "mlflow_parent_run_id"  # the study's MLflow parent run; set once the study is fully created
+
+
+def parent_run_id(name: str, storage: str) -> str | None:
+    """The MLflow parent run of a study (None for a study created before modbench recorded it)."""
+    rdb = connect_storage(storage)
+    try:
+        return optuna.load_study(study_name=name, storage=rdb).user_attrs.get(PARENT_ATTR)
+    finally:
+        rdb.engine.dispose()
+
+
 def study_dir(study: Study, out_dir: str | Path) -> Path:
     return Path(out_dir) / study.name
 
@@ -87,13 +99,14 @@ def _frame_of(name: str, storage: str, rdb: optuna.storages.RDBStorage):
     except KeyError:
         raise ModbenchError(f"no study named {name!r} in {redact(storage)}: run 'modbench study run "
                             "<study file>' first, or pass the --storage it ran on") from None
-    columns = ["number", "state", "arm", "seed", *METRICS, "steps", "mlflow_run_id", "worker"]
+    columns = ["number", "state", "arm", "seed", *METRICS, "steps", "mlflow_run_id", "worker", "fail_reason"]
     rows = []
     for t in study.get_trials(deepcopy=False):
         if t.user_attrs.get("surplus") or t.user_attrs.get("requeued"):  # an interrupted trial ran again
             continue
         row = {"number": t.number, "state": t.state.name, "arm": t.user_attrs.get("arm"), "seed": t.user_attrs.get("seed")}
         row.update(t.user_attrs.get("arm_params") or t.params)  # a grid point's arm, or the sampled params
-        row.update({k: t.user_attrs.get(k) for k in (*METRICS, "steps", "mlflow_run_id", "worker")})
+        row.update({k.removeprefix("fixed."): v for k, v in t.user_attrs.items() if k.startswith("fixed.")})  # constants
+        row.update({k: t.user_attrs.get(k) for k in (*METRICS, "steps", "mlflow_run_id", "worker", "fail_reason")})
         rows.append(row)
     return pd.DataFrame(rows, columns=list(dict.fromkeys(columns + [k for r in rows for k in r])))
