@@ -344,6 +344,16 @@ def test_added_arms_and_seeds_are_queued_and_changed_fixed_settings_refused(tmp_
     assert main(["study", "run", str(path), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "base.train.budget" in err and "give the study a new name" in err and "\n" not in err.strip()
+    # A setting a newer modbench added (absent from what the study recorded) is no change at its default.
+    import optuna
+
+    from modbench.study.points import FIXED_ATTR
+
+    path.write_text(text)
+    stored = optuna.load_study(study_name="edits", storage=sqlite_url(tmp_cwd, "edits"))
+    older = {k: v for k, v in stored.user_attrs[FIXED_ATTR].items() if k != "base.train.system_metrics_s"}
+    stored.set_user_attr(FIXED_ATTR, older)
+    assert main(["study", "run", str(path), "--quiet"]) == 0
 
 
 def _open_store_at_once(url, barrier, results):

@@ -138,7 +138,7 @@ def test_nan_loss_stops_the_run_and_marks_it_failed(tmp_cwd, monkeypatch):
 def test_mlflow_run_has_params_step_metrics_and_artifacts(tmp_cwd, monkeypatch):
     uri = f"sqlite:///{tmp_cwd}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    result = train(tiny("sigmoid", track=True, experiment="harness-test"), progress=False)
+    result = train(tiny("sigmoid", track=True, experiment="harness-test", system_metrics_s=0.2), progress=False)
     mlflow.set_tracking_uri(uri)
     df = mlflow.search_runs(experiment_names=["harness-test"])
     assert len(df) == 1
@@ -156,6 +156,13 @@ def test_mlflow_run_has_params_step_metrics_and_artifacts(tmp_cwd, monkeypatch):
     artifacts = {a.path for a in client.list_artifacts(result.run_id)}
     assert {"config.json", "routing_heatmap.png"} <= artifacts
     assert not (tmp_cwd / "mlruns").exists()
+    # the dataset is a run input (MLflow's dataset tracking), named, fingerprinted, with its context
+    (logged,) = client.get_run(result.run_id).inputs.dataset_inputs
+    assert logged.dataset.digest == row["tags.dataset_sha256"][:36] and logged.dataset.name.startswith("arithmetic")
+    assert [(t.key, t.value) for t in logged.tags] == [("mlflow.data.context", "training")]
+    # MLflow's own system-metrics monitor sampled the run (CPU and memory)
+    system = set(client.get_run(result.run_id).data.metrics)
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= system
 
 
 def test_cli_config_file_and_flags(tmp_cwd, capsys):

@@ -46,6 +46,7 @@ class TrainConfig:
     grad_clip: float = bounded(1.0, 0.0, 1e9, low_open=True)
     eval_every: int = bounded(50, 1, 1 << 40)
     eval_windows: int = bounded(32, 1, 1 << 20)
+    system_metrics_s: float = bounded(10.0, 0.0, 3600.0)  # MLflow system-metrics sampling interval (0: off)
     log_every: int = bounded(10, 1, 1 << 40)
     checkpoint_every: int = bounded(0, 0, 1 << 40)  # 0: only at the end
     seed: int = bounded(0, 0, 2**32 - 1)

@@ -33,7 +33,7 @@ from modbench.run.step_metrics import Window, mean_logged
 from modbench.config.budget import Budget
 from modbench.track.checkpoint import check_writable, load_checkpoint, save_checkpoint
 from modbench.config.model import lr_scale, wd_scale
-from modbench.data import Corpus, eval_windows, eval_windows_with_labels, get_batch, load_corpus
+from modbench.data import Corpus, dataset_origin, eval_windows, eval_windows_with_labels, get_batch, load_corpus
 from modbench.errors import ModbenchError
 from modbench.run.evaluate import evaluate
 from modbench.run.causal_eval import calibrate_causal_rules
@@ -302,6 +302,8 @@ def _log_start(run: _Run) -> None:
     }
     run.tracker.log_params({**run.cfg.to_dict(), **resolved})
     run.tracker.set_tags({"dataset_sha256": run.corpus.sha256, "device": _device_name(run.device), "dataset": t.dataset})
+    run.tracker.log_dataset(run.corpus.name, run.corpus.sha256, dataset_origin(t.dataset), "training")
+    run.tracker.monitor_system(t.system_metrics_s)
     run.tracker.log_dict(run.cfg.to_toml_dict(), "config.json")
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import optuna
 
+from modbench.config.run import RunConfig
 from modbench.config.study import Arm, Range, Study, canonical_arm
 from modbench.errors import ModbenchError, redact
 from modbench.model.sizing import study_arms
@@ -33,7 +34,10 @@ def refuse_changed_fixed_settings(optuna_study: optuna.Study, s: Study, storage_
     if before is None:
         return  # a study created before modbench recorded them
     now = fixed_settings(s)
-    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    # A setting modbench added after the study was created is no change while it keeps its default.
+    defaults = {f"base.{k}": repr(v) for k, v in RunConfig().to_dict().items()}
+    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k)
+                     and not (k not in before and now.get(k) == defaults.get(k)))
     if changed:
         raise ModbenchError(
             f"{s.path} changes settings that study {s.name!r} in {redact(storage_url)} fixed when it was created "

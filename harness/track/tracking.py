@@ -65,6 +65,8 @@ class RunTracker(Protocol):
     def start(self) -> "RunTracker": ...
     def log_params(self, params: dict[str, object]) -> None: ...
     def set_tags(self, tags: dict[str, str]) -> None: ...
+    def log_dataset(self, name: str, digest: str, source: str, context: str) -> None: ...
+    def monitor_system(self, interval_s: float) -> None: ...
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
     def flush(self) -> None: ...
     def log_dict(self, obj: dict, artifact_file: str) -> None: ...
@@ -254,6 +256,7 @@ class Tracker:
         self.extra_tags = {str(k): str(v) for k, v in (tags or {}).items()}
         self.uri = uri
         self.flush_every = flush_every
+        self._monitor = None  # MLflow's system-metrics monitor, once monitor_system starts it
         self.seconds = 0.0
         self.experiment_id: str | None = None
         self._run_id = run_id
@@ -349,6 +352,8 @@ class Tracker:
             return
         with self._timed():
             try:
+                if self._monitor is not None:
+                    self._monitor.finish()  # its last samples land before the run ends
                 self._flush()
             finally:
                 self._ended = True
@@ -403,6 +408,31 @@ class Tracker:
             items = [RunTag(str(k), redact(v)) for k, v in tags.items()]
             for chunk in _chunks(items, MAX_TAGS_PER_BATCH):
                 self._client.log_batch(self._run_id, tags=chunk, synchronous=True)
+
+    def log_dataset(self, name: str, digest: str, source: str, context: str) -> None:
+        """Record the dataset as a run input (MLflow's dataset tracking, the run's *Datasets*
+        column): ``source`` is a URL, or a description for data made on the machine."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        self._require_started()
+        kind = "http" if source.startswith(("http://", "https://")) else "code"
+        payload = json.dumps({"url": source} if kind == "http" else {"tags": {"origin": source}})
+        with self._timed():
+            dataset = Dataset(name=name[:500], digest=digest[:36], source_type=kind, source=redact(payload))
+            self._client.log_inputs(self._run_id, [DatasetInput(dataset, [InputTag("mlflow.data.context", context)])])
+
+    def monitor_system(self, interval_s: float) -> None:
+        """Log CPU, memory (and GPU, when MLflow can see one) every ``interval_s`` seconds with
+        MLflow's own system-metrics monitor (the run's *System metrics* tab), until ``end``."""
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        self._require_started()
+        if interval_s <= 0 or self._monitor is not None:
+            return
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop lines are noise
+        with self._timed():
+            self._monitor = SystemMetricsMonitor(self._run_id, sampling_interval=interval_s, tracking_uri=self.uri)
+            self._monitor.start()
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Buffer ``metrics`` at ``step``; None values are dropped, tensors and numpy
@@ -503,6 +533,12 @@ class NullTracker:
         pass
 
     def set_tags(self, tags: dict[str, str]) -> None:
+        pass
+
+    def log_dataset(self, name: str, digest: str, source: str, context: str) -> None:
+        pass
+
+    def monitor_system(self, interval_s: float) -> None:
         pass
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
