@@ -382,3 +382,12 @@ def test_two_workers_creating_one_sqlite_store_at_the_same_instant_both_work(tmp
         for p in procs:
             p.join(timeout=60)
         assert outcomes == ["ok", "ok"], outcomes
+
+
+def test_a_study_stopped_early_has_every_arm_at_the_same_seeds(tmp_cwd):
+    """Trials are queued seed-major: the first trials are seed 0 of every arm, not every seed of arm 0."""
+    path = smoke_variant(tmp_cwd, "order", seeds=(0, 1))
+    assert main(["study", "run", str(path), "--quiet", "--n-trials", "2"]) == 0
+    df = trials_frame("order", sqlite_url(tmp_cwd, "order"))
+    done = df[df.state == "COMPLETE"]
+    assert sorted(done.arm) == ["dense", "sigmoid C=0.25 alternate"] and set(done.seed) == {0}

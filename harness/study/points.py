@@ -52,8 +52,9 @@ def queue_new_grid_points(optuna_study: optuna.Study, s: Study) -> None:
     # of an isoFLOP grid (other depth or budget) can share one.
     have = {(_key(t.user_attrs.get("arm_params")), t.user_attrs.get("seed")) for t in optuna_study.get_trials(deepcopy=False)
             if not t.user_attrs.get("surplus") and not t.user_attrs.get("requeued")}
-    for arm in study_arms(s):
-        for seed in s.settings.seeds:
+    arms = study_arms(s)
+    for seed in s.settings.seeds:  # seed-major, as at creation
+        for arm in arms:
             if (_key(arm_params(arm)), seed) not in have:
                 optuna_study.enqueue_trial({}, user_attrs=grid_attrs(arm, seed, s.label(arm)))
 

@@ -162,8 +162,10 @@ class Runner:
                                "study.file_sha256": s.file_sha256, **{f"base.{k}": v for k, v in s.base.to_dict().items()}})
             parent.flush()
             if s.settings.sampler == "grid":
-                for arm in study_arms(s):
-                    for seed in s.settings.seeds:
+                # Seed-major: every arm's seed 0 first, so a study stopped early compares arms on the same seeds.
+                arms = study_arms(s)
+                for seed in s.settings.seeds:
+                    for arm in arms:
                         study.enqueue_trial({}, user_attrs=grid_attrs(arm, seed, s.label(arm)))
             # Set last: it tells the other workers the study is complete (parent run and the
             # whole grid queued). Set earlier, a worker could find an empty queue and stop.
