@@ -1,7 +1,7 @@
 """One trial data-parallel under torchrun: the same losses as one process on the same global batch.
 
-Each DDP run is the real command (``python -m torch.distributed.run --standalone
---nproc_per_node=2 -m modbench.cli.main train ...``, gloo on CPU). Its per-step training metrics
+Each DDP run is the real command (``torchrun --standalone --nproc_per_node=2 --no-python modbench
+train ...``, gloo on CPU: torchrun launching the installed console script). Its per-step training metrics
 come from where train records them — the MLflow metric history in a temporary store for the
 tracked run, the checkpoint's ``history`` (the same rows) for the untracked ones, which skip
 MLflow's start-up — and are compared with the history of an in-process single-process run
@@ -63,8 +63,10 @@ def config(store: Path, variant: str, capacity: float) -> RunConfig:
 def torchrun(store: Path, argv: list[str]) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(MLFLOW_TRACKING_URI=f"sqlite:///{store}/mlflow.db", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "modbench.cli.main", "train", *argv]
+    # The command a user types: torchrun launching the installed console script (--no-python).
+    script = Path(sys.executable).with_name("modbench")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--no-python",
+           str(script), "train", *argv]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
