@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# The CPU build of torch 2.13.0 first: a bare `torch` would pull a multi-GB CUDA build.
 	$(BIN)/pip install --quiet "torch==2.13.0"
-	$(BIN)/pip install --quiet -e ".[dev,postgres]"
+	$(BIN)/pip install --quiet -e ".[dev,postgres,dashboard]"
 	touch $(STAMP)
 
 install: $(STAMP)
