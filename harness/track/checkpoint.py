@@ -18,10 +18,18 @@ from modbench.errors import ModbenchError
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write atomically; a disk that refuses (full, read-only, over quota) is one line, the previous
+    checkpoint at ``path`` is kept intact and no partial file is left behind."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        kept = " (its previous checkpoint is kept)" if path.exists() else ""
+        raise ModbenchError(f"cannot write the checkpoint {path} ({e.strerror or e}){kept}: free space or pick "
+                            "another --out-dir, then --resume") from None
 
 
 def load_checkpoint(path: Path, *, run_id: str | None = None) -> dict[str, Any]:

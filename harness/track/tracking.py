@@ -107,9 +107,20 @@ def sqlite_db_path(uri: str) -> Path | None:
 
 
 def _quiet_mlflow_logging() -> None:
-    """MLflow and alembic log INFO lines when a database is first created/migrated."""
-    for name in ("alembic", "alembic.runtime.migration", "mlflow.store.db.utils"):
+    """MLflow and alembic log INFO lines when a database is first created/migrated, and MLflow logs
+    a database error as an ERROR paragraph before raising it: modbench reports it in one line."""
+    for name in ("alembic", "alembic.runtime.migration"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+
+
+def _store_problem(exc: BaseException) -> str:
+    """The database's own reason inside an MLflow exception (SQLAlchemy wraps it in a paragraph)."""
+    text = str(exc)
+    for line in text.splitlines():
+        if "OperationalError" in line or "Error)" in line:
+            return " ".join(line.split(") ", 1)[-1].split())
+    return _first_line(exc)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -301,8 +312,19 @@ class Tracker:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> "Tracker":
+        """Open the store and create (or resume) the run. A store that refuses the write (read-only,
+        full, locked) is one line here, before anything trains."""
+        from mlflow.exceptions import MlflowException
+
         if self._started:
             return self
+        try:
+            return self._start()
+        except MlflowException as e:
+            raise ModbenchError(f"the MLflow store {redact(self.uri)} refused to start a run ({_store_problem(e)}): "
+                                "check that it is writable and has space, or pass another --tracking-uri") from None
+
+    def _start(self) -> "Tracker":
         with self._timed():
             client = connect(self.uri)
             tags = {**environment_tags(), **self.extra_tags}
