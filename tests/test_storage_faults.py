@@ -48,3 +48,22 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_previous_one_and_leaves_no_partia
     assert not list(run_dir.glob("*.tmp"))  # no partial file left
     state = checkpoint_mod.load_checkpoint(run_dir / "checkpoint.pt")  # the first checkpoint, intact
     assert state["step"] == 2
+
+
+def test_a_study_whose_mlflow_store_refuses_is_not_left_half_created(tmp_cwd, capsys):
+    import optuna
+
+    smoke = (Path(__file__).resolve().parents[1] / "studies" / "smoke.toml").read_text()
+    path = tmp_cwd / "allornone.toml"
+    path.write_text(smoke.replace('name = "smoke"', 'name = "allornone"').replace("seeds = [0, 1]", "seeds = [0]"))
+    assert main(["train", "--dataset", "arithmetic", "--budget", "steps=1", "--depth", "1", "--n-embd", "16",
+                 "--head-dim", "8", "--max-seq-len", "16", "--seq-len", "16", "--batch-size", "2", "--quiet"]) == 0
+    capsys.readouterr()
+    read_only = f"sqlite:///file:{tmp_cwd}/mlflow.db?mode=ro&uri=true"
+    assert main(["study", "run", str(path), "--quiet", "--tracking-uri", read_only]) == 2
+    assert "refused to start a run" in one_line(capsys.readouterr().err)
+    storage = f"sqlite:///{tmp_cwd}/runs/studies/allornone/optuna.db"
+    assert "allornone" not in [s.study_name for s in optuna.get_all_study_summaries(storage)]  # nothing half-made
+    assert main(["study", "run", str(path), "--quiet"]) == 0  # the re-run creates it afresh, at once
+    (summary,) = optuna.get_all_study_summaries(storage)
+    assert summary.n_trials == 2

@@ -149,27 +149,14 @@ class Runner:
             study = optuna.load_study(storage=self.storage, study_name=s.name, sampler=kwargs["sampler"], pruner=kwargs["pruner"])
             created = False
         if created:
-            study.set_user_attr("study_file_sha256", s.file_sha256)
-            study.set_user_attr("objectives", s.settings.objectives)
-            study.set_user_attr(FIXED_ATTR, fixed_settings(s))
-            with warnings.catch_warnings():  # experimental in Optuna 5
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                study.set_metric_names(list(s.settings.objectives))  # the dashboard shows val/bpb, not "Objective 0"
-            parent = Tracker(s.name, run_name=f"study {s.name}", tags={"modbench.study": s.name, "modbench.role": "study"},
-                             uri=self.tracking_uri, experiment_description=s.settings.description).start()
-            parent.log_params({"study.file": str(s.path), "study.sampler": s.settings.sampler, "study.pruner": s.settings.pruner,
-                               "study.seeds": s.settings.seeds, "study.objectives": s.settings.objectives,
-                               "study.file_sha256": s.file_sha256, **{f"base.{k}": v for k, v in s.base.to_dict().items()}})
-            parent.flush()
-            if s.settings.sampler == "grid":
-                # Seed-major: every arm's seed 0 first, so a study stopped early compares arms on the same seeds.
-                arms = study_arms(s)
-                for seed in s.settings.seeds:
-                    for arm in arms:
-                        study.enqueue_trial({}, user_attrs=grid_attrs(arm, seed, s.label(arm)))
-            # Set last: it tells the other workers the study is complete (parent run and the
-            # whole grid queued). Set earlier, a worker could find an empty queue and stop.
-            study.set_user_attr(PARENT_ATTR, parent.run_id)
+            try:
+                self._initialise(study)
+            except BaseException:
+                # All or nothing: a study whose parent run or grid could not be created (a broken MLflow
+                # store, an arm without a matched control) is removed, so a re-run starts it afresh
+                # instead of waiting for a creator that is gone.
+                optuna.delete_study(study_name=s.name, storage=self.storage)
+                raise
         else:
             if study.directions != [optuna.study.StudyDirection.MINIMIZE if d == "minimize" else optuna.study.StudyDirection.MAXIMIZE for d in s.directions]:
                 raise ModbenchError(f"study {s.name!r} in {self.storage_url} has other objectives than {s.path}: give the study a new name")
@@ -188,6 +175,31 @@ class Runner:
                 queue_new_grid_points(study, s)  # the first worker to see the edited file queues what it adds
                 study.set_user_attr("study_file_sha256", s.file_sha256)
         return study
+
+    def _initialise(self, study: optuna.Study) -> None:
+        """The creating worker's part: attributes, the MLflow parent run, the whole grid queued."""
+        s = self.study
+        study.set_user_attr("study_file_sha256", s.file_sha256)
+        study.set_user_attr("objectives", s.settings.objectives)
+        study.set_user_attr(FIXED_ATTR, fixed_settings(s))
+        with warnings.catch_warnings():  # experimental in Optuna 5
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.set_metric_names(list(s.settings.objectives))  # the dashboard shows val/bpb, not "Objective 0"
+        parent = Tracker(s.name, run_name=f"study {s.name}", tags={"modbench.study": s.name, "modbench.role": "study"},
+                         uri=self.tracking_uri, experiment_description=s.settings.description).start()
+        parent.log_params({"study.file": str(s.path), "study.sampler": s.settings.sampler, "study.pruner": s.settings.pruner,
+                           "study.seeds": s.settings.seeds, "study.objectives": s.settings.objectives,
+                           "study.file_sha256": s.file_sha256, **{f"base.{k}": v for k, v in s.base.to_dict().items()}})
+        parent.flush()
+        if s.settings.sampler == "grid":
+            # Seed-major: every arm's seed 0 first, so a study stopped early compares arms on the same seeds.
+            arms = study_arms(s)
+            for seed in s.settings.seeds:
+                for arm in arms:
+                    study.enqueue_trial({}, user_attrs=grid_attrs(arm, seed, s.label(arm)))
+        # Set last: it tells the other workers the study is complete (parent run and the
+        # whole grid queued). Set earlier, a worker could find an empty queue and stop.
+        study.set_user_attr(PARENT_ATTR, parent.run_id)
 
     @property
     def parent_run_id(self) -> str | None:
