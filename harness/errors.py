@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import re
 
-# scheme://user:password@host → scheme://user:***@host, wherever a URL appears in a text.
-_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://[^\s:/@]*:)[^\s@/]+@")
+# scheme://user:password@host → scheme://user:***@host, wherever a URL appears in a text — also
+# when a path normalisation has eaten a slash of it (a URL given where a file was expected).
+_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*:/{1,3}[^\s:/@]*:)[^\s@/]+@")
 
 
 class ModbenchError(Exception):
