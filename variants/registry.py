@@ -10,6 +10,7 @@ add variants without forking by exposing a module under the entry-point group
 from __future__ import annotations
 
 import difflib
+import math
 import fnmatch
 import importlib.metadata
 import typing
@@ -58,6 +59,9 @@ class VariantSpec:
                 f"variant {self.name!r} has no option {unknown[0]!r}: its options are "
                 f"{accepted(sorted(known)) or '(none)'}"
             )
+        types = {f.name: f.type for f in fields(self.config_cls)}
+        for key, value in options.items():
+            _check_option(self.name, key, value, types[key])
         try:
             return self.config_cls(**options)
         except (TypeError, ValueError) as e:
@@ -66,6 +70,24 @@ class VariantSpec:
     def build(self, d_model: int, options: Mapping[str, Any] | None = None) -> Router:
         return self.builder(d_model, self.make_config(options))
 
+
+_KINDS = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
+
+
+def _check_option(variant: str, key: str, value: Any, annotation: Any) -> None:
+    """A variant option has its field's type (a bool is not a number, a number is finite): the
+    frozen configs' own checks compare numbers, and a NaN or a string passes a comparison test."""
+    kind = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    allowed = _KINDS.get(kind)
+    if allowed is None:
+        return
+    if isinstance(value, bool) and kind != "bool" or not isinstance(value, allowed):
+        raise ModbenchError(f"variant {variant!r} option {key} = {value!r} has the wrong type: expected {_NAMES[kind]}")
+    if kind == "float" and not math.isfinite(value):
+        raise ModbenchError(f"variant {variant!r} option {key} = {value!r} is not finite: expected a finite number")
+
+
+_NAMES = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string"}
 
 _REGISTRY: dict[str, VariantSpec] = {}
 _SCOPES: dict[str, str] = {}

@@ -100,7 +100,11 @@ class RoutingConfig:
     def __post_init__(self) -> None:
         check_bounds(self, "routing")
         if self.capacity_first is not None:
-            check_capacity(self.capacity_first)
+            try:
+                check_capacity(self.capacity_first)
+            except ModbenchError:
+                raise ModbenchError(f"routing.capacity_first = {self.capacity_first!r} is out of range: expected a "
+                                    "fraction in (0, 1] (the first routed layer's capacity)") from None
 
     def capacity_at(self, i: int, n_routed: int) -> float:
         """Capacity of the i-th of ``n_routed`` routed layers (0-based)."""

@@ -160,6 +160,8 @@ def load_run(cfg: RunConfig) -> RunConfig:
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """Defaults < ``--config`` file < flags, validated once (``load_run``)."""
+    if args.config is not None and not str(args.config).strip():
+        raise ModbenchError("--config is empty: give the path of a TOML run config, or leave the flag out")
     base = RunConfig.from_dict(read_toml(args.config), where=args.config) if args.config else None
     data: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     for section, cls in SECTIONS.items():

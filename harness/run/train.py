@@ -221,15 +221,16 @@ def _setup(cfg: RunConfig, device: torch.device) -> _Run:
     flops_per_token = model.flops_per_token(t.seq_len)
     budget = Budget.parse(t.budget)
     run_dir = Path(t.out_dir) / default_run_name(cfg)
+    total_steps = _budget_steps(model, budget, t.seq_len, tokens_per_step)  # a budget under one step fails here
     if distributed.is_main():
-        check_writable(Path(t.out_dir), "--out-dir")  # now, not after the whole run has trained
+        check_writable(Path(t.out_dir), "--out-dir")  # now, not after the whole run has trained (and nothing earlier)
     return _Run(
         cfg=cfg, device=device, main=distributed.is_main(), corpus=corpus, model=model, step_model=step_model,
         fwd_model=torch.compile(step_model) if t.compile else step_model, optimizer=optimizer,
         base_lrs=[g["lr"] for g in optimizer.param_groups],
         autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None,
         tokens_per_step=tokens_per_step, flops_per_token=flops_per_token, budget=budget,
-        total_steps=_budget_steps(model, budget, t.seq_len, tokens_per_step),
+        total_steps=total_steps,
         data_gen=torch.Generator().manual_seed(t.seed), val=_eval_set(corpus, "val", t),
         routed_ids=[i for i, layer in enumerate(model.layers) if isinstance(layer, RoutedBlock)],
         run_dir=run_dir, ckpt_path=run_dir / "checkpoint.pt", lm_acc=torch.zeros((), device=device),
