@@ -192,7 +192,7 @@ def test_claims_report_end_to_end(tmp_cwd):
     out = tmp_cwd / "reports" / "claims"
     text = (out / "report.md").read_text()
     body = text.split("\n", 6)[-1]
-    assert body.lstrip("\n> *").startswith(("Under-trained regime", "Every arm beats"))  # the regime comes first
+    assert body.lstrip("\n> *").startswith(("Under-trained", "Every arm beats"))  # the regime comes first
     for heading in ("## Claims", "## Arms (deployable metric first)", "## Sanity baselines", "## Effects",
                     "## The causal rule against top-k", "## isoFLOP profiles", "## Learning curves"):
         assert heading in text, heading
@@ -220,3 +220,17 @@ def test_claims_report_end_to_end(tmp_cwd):
     done = done[done.state == "COMPLETE"]
     assert summary["claims"][0]["estimate"] == pytest.approx(c1["estimate"])
     assert "nan" not in text.lower()
+
+
+def test_the_regime_line_names_every_arm_below_the_trigram_and_says_whose_conclusions_fail():
+    from modbench.report.baselines import Baselines
+    from modbench.report.claims_report import regime_lines
+
+    base = {"test": Baselines("test", 1000, 4.0, 3.0, 2.7, 2.0, 1.8, 1.9)}
+    arms = pd.DataFrame({"arm": ["sigmoid", "dense", "dense L6"], "variant": ["sigmoid", "dense", "dense"],
+                         "causal_bpb": [2.2, 2.4, 3.4]})
+    line = regime_lines(arms, base)[0]
+    assert "1 of 3 arms do not beat" in line and "dense L6 (3.4)" in line and "Every routed arm beats" in line
+    arms.loc[0, "causal_bpb"] = 2.9  # now a routed arm is below the trigram too
+    assert "routing conclusions are unreliable" in regime_lines(arms, base)[0]
+    assert regime_lines(arms.iloc[[1]], base)[0].startswith("Every arm beats")

@@ -50,10 +50,17 @@ def regime_lines(arms: pd.DataFrame, base: dict[str, Baselines]) -> list[str]:
     """The first lines of the report: do the models beat counting? If not, say so plainly."""
     trigram = base["test"].trigram
     worse = arms[~(arms["causal_bpb"] < trigram)]
+    listed = ", ".join(f"{r.arm} ({_fmt(r.causal_bpb)})" for r in worse.itertuples())
+    routed = arms[arms["variant"] != "dense"]
+    if len(worse) and (worse["variant"] == "dense").all() and len(routed) and (routed["causal_bpb"] < trigram).all():
+        margin = trigram - routed["causal_bpb"].max()
+        return [f"> **Under-trained: {len(worse)} of {len(arms)} arms do not beat a count trigram model** on the test split "
+                f"({trigram:.3f} bpb): {listed}. All of them are dense models (the large end of a size sweep trains too few "
+                f"tokens at this budget, which an isoFLOP sweep must show); conclusions about those arms are unreliable. "
+                f"Every routed arm beats the trigram (the worst by {margin:.3f} bpb).", ""]
     if len(worse):
         return [f"> **Under-trained regime: routing conclusions are unreliable.** {len(worse)} of {len(arms)} arms do "
-                f"not beat a count trigram model on the test split ({trigram:.3f} bpb): "
-                + ", ".join(f"{r.arm} ({_fmt(r.causal_bpb)})" for r in worse.itertuples()) + ".", ""]
+                f"not beat a count trigram model on the test split ({trigram:.3f} bpb): {listed}.", ""]
     return [f"Every arm beats the count trigram baseline on the test split ({trigram:.3f} bpb; best arm "
             f"{arms['causal_bpb'].min():.3f}), so the models have learned more than byte statistics.", ""]
 
