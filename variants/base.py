@@ -108,6 +108,8 @@ class Router(nn.Module):
     scope: ClassVar[Scope] = "block"
     # >0: the routed block's MLP is a top-1 mixture of this many experts (MoDE); the model builds it.
     mlp_experts: int = 0
+    # True: each token decides for itself, so the processed count varies per sequence (Routing.valid).
+    variable_count: ClassVar[bool] = False
     # Set by evaluation (modbench.model.decode.causal_agreement): with collect_stats, ``route``
     # also returns decide_causal on the same hidden state, to score it against top-k.
     collect_causal: bool = False

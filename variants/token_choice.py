@@ -77,6 +77,7 @@ class VariableCountRouter(Router):
     """Each token decides by ``probability(x) >= threshold``; k_max slots per sequence."""
 
     scope = "block"
+    variable_count = True
     threshold: float = 0.5
 
     def __init__(self, d_model: int, config) -> None:

@@ -58,7 +58,9 @@ def build_block(variant: str, capacity: float, cfg: ModelConfig, seed: int = 0) 
     if router.scope == "none":
         raise ValueError(f"variant {variant!r} builds no routed block")
     routed = RoutedBlock(cfg, router, CapacitySchedule(capacity, max_seq_len=cfg.max_seq_len))
-    routed.block.load_state_dict(dense.block.state_dict())
+    # The same weights as the dense reference; a mixture-of-experts MLP (MoDE) has its own, so only
+    # attention and the norms are shared there.
+    routed.block.load_state_dict(dense.block.state_dict(), strict=not router.mlp_experts)
     return routed.train()
 
 

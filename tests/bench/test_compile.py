@@ -107,9 +107,20 @@ def _compile_and_compare(variant: str, backend: str, rtol: float, atol: float, *
     return graphs
 
 
-@pytest.mark.parametrize("variant", ROUTED)
+# MoDE's top-1 mixture runs each expert on its own slice of tokens: the slice sizes are one host sync
+# per layer (modbench.model.gpt.TopOneMoE), so its forward is not one graph. Said here, and checked:
+SYNCS_BY_DESIGN = {v for v in ROUTED if variants.build_router(v, 8).mlp_experts}
+
+
+@pytest.mark.parametrize("variant", sorted(set(ROUTED) - SYNCS_BY_DESIGN))
 def test_routed_gpt_compiles_fullgraph_and_matches_eager(variant):
     _compile_and_compare(variant, "aot_eager", rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", sorted(SYNCS_BY_DESIGN))
+def test_mixture_of_experts_variants_do_not_compile_to_one_graph(variant):
+    with pytest.raises(Exception, match="(?i)graph break|data.dependent|tolist|Unsupported"):
+        _compile_and_compare(variant, "aot_eager", rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
