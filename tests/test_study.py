@@ -118,7 +118,7 @@ def running_trial(name: str, storage: str, *, completed: int, timeout_s: float =
         try:
             df = trials_frame(name, storage)
             running = df[df.state == "RUNNING"]
-            if (df.state == "COMPLETE").sum() >= completed and len(running) == 1 \
+            if (df.state == "COMPLETE").sum() == completed and len(running) == 1 \
                     and isinstance(running.iloc[0].mlflow_run_id, str):
                 return running.iloc[0]
         except ModbenchError:
@@ -297,7 +297,9 @@ def test_interrupted_trial_is_requeued_and_a_rerun_completes_the_grid(tmp_path, 
     exit 130, the run KILLED, the (arm, seed) queued again, the parent not finished; a re-run
     completes every (arm, seed) exactly once and finishes the parent."""
     name = f"int_{sig.name.lower()}"
-    path = smoke_variant(tmp_path, name, steps=600, seeds=(0,))
+    # Trials long enough (~20 s on a quiet machine) that the signal lands inside the first one: with
+    # 600 steps a fast machine finished both trials between two polls of the store.
+    path = smoke_variant(tmp_path, name, steps=2000, seeds=(0,))
     storage = sqlite_url(tmp_path, name)
     worker = cli("study", "run", str(path), "--heartbeat", "1", cwd=tmp_path, wait=False)
     try:
