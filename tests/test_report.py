@@ -111,3 +111,20 @@ def test_throughput_caveat_comes_from_the_seed_spread():
     busy = pd.DataFrame({"arm": ["dense", "norm C=0.25", "sigmoid C=0.5"], "tokens_per_s_spread": [1.05, 3.4, 1.6]})
     text = " ".join(_throughput_caveat(busy))
     assert "2 of 3 arms" in text and "worst: norm C=0.25, 3.40×" in text and "reports/bench" in text
+
+
+
+def test_the_reproduce_line_holds_no_machine_path(tmp_path, monkeypatch):
+    """A report travels: the command it prints names no absolute path of the machine that wrote it."""
+    from modbench.report import build
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(build.sys, "argv", [
+        "modbench", "report", str(tmp_path / "study.toml"), "--reports-dir", str(work / "out"),
+        "--storage", f"sqlite:///{work}/runs/optuna.db", "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"])
+    line = build.command_line()
+    assert str(tmp_path) not in line
+    assert line == ("modbench report study.toml --reports-dir out --storage sqlite:///runs/optuna.db "
+                    "--tracking-uri sqlite:///mlflow.db")

@@ -336,4 +336,15 @@ def _portable(text: str) -> str:
 
 
 def command_line() -> str:
-    return "modbench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    """This command as typed, with no machine path in it: an absolute path is written relative to
+    the working directory when it lies under it, else by its last component alone."""
+    return "modbench " + " ".join(shlex.quote(_path_free(a)) for a in sys.argv[1:])
+
+
+def _path_free(arg: str) -> str:
+    scheme = "sqlite:///" if arg.startswith("sqlite:////") else ""  # an SQLite URL's absolute path
+    rest = arg[len(scheme):]
+    if not rest.startswith("/"):
+        return arg
+    path, cwd = Path(rest).resolve(), Path.cwd().resolve()
+    return scheme + (str(path.relative_to(cwd)) if path.is_relative_to(cwd) else path.name)
