@@ -206,3 +206,232 @@ def test_mode_staged_runs_each_processed_token_through_its_top_expert():
     grow = m.flop_report(T).breakdown["mlp"] - plain.flop_report(T).breakdown["mlp"]
     k = m.layers[0].capacity.k(T)
     assert grow == pytest.approx(CFG.layers * k * 2 * CFG.width * 3)
+
+
+# --- A-MoD: attention received in the previous layer ----------------------------------------------
+def _attention_by_hand(m: GPT, layer: int, x: torch.Tensor) -> torch.Tensor:
+    """softmax(QKᵀ/√hd) of ``m.layers[layer]`` on the residual stream ``x``, causal, averaged over heads."""
+    block = m.layers[layer].block
+    T_ = x.shape[1]
+    q, k, _ = block.attn.project(block.norm1(x), m.rope_cos[:T_], m.rope_sin[:T_])
+    logits = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    causal = torch.ones(T_, T_, dtype=torch.bool).tril()
+    return torch.softmax(logits.masked_fill(~causal, -math.inf), -1).mean(1)  # (B, T, T)
+
+
+def test_amod_scores_the_attention_received_in_the_previous_layer():
+    torch.manual_seed(8)
+    m = GPT(CFG, RoutingConfig("amod", capacity=0.25, pattern="alternate")).eval()  # D M D M
+    idx = torch.randint(0, 256, (2, T))
+    with torch.no_grad():
+        x = m.embed(idx)
+        a = _attention_by_hand(m, 0, x)
+        n = torch.arange(1, T + 1, dtype=a.dtype)  # keys each query sees
+        received = (a * n.unsqueeze(-1)).sum(-2) / (T - torch.arange(T, dtype=a.dtype))  # mean over the queries i >= j
+        out = m.layers[0](x, m.rope_cos, m.rope_sin)
+        torch.testing.assert_close(out.attention.received, received, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.attention.self_weight, a.diagonal(dim1=-2, dim2=-1) * n, rtol=1e-5, atol=1e-5)
+        # uniform attention scores every token 1: early tokens are not favoured by the causal mask
+        uniform = torch.ones(T, T).tril() / n.unsqueeze(-1)
+        assert torch.allclose((uniform * n.unsqueeze(-1)).sum(-2) / (T - torch.arange(T)), torch.ones(T))
+        # the next routed layer processes the top-k of that score
+        routed = m.layers[1](out.x, m.rope_cos, m.rope_sin, out.attention)
+        k = m.layers[1].capacity.k(T)
+        expected = torch.zeros(2, T, dtype=torch.bool).scatter_(1, torch.topk(received, k, -1).indices, True)
+        assert torch.equal(routed.processed, expected)
+    assert sum(p.numel() for r in m.routers for p in r.parameters()) == 0  # parameter-free
+
+
+def test_amod_causal_rule_uses_the_tokens_own_attention_row():
+    from modbench.run.causal_eval import calibrate_causal_rules
+
+    torch.manual_seed(9)
+    m = GPT(CFG, RoutingConfig("amod", capacity=0.25, pattern="alternate"))
+    calibrate_causal_rules(m, [torch.randint(0, 256, (4, T))])
+    m.eval()
+    idx = torch.randint(0, 256, (3, T))
+    decide = processed(m, idx, "causal")
+    with torch.no_grad():
+        a = _attention_by_hand(m, 0, m.embed(idx))
+    own = a.diagonal(dim1=-2, dim2=-1) * torch.arange(1, T + 1)  # (t+1)·a_{t,t}: row t, key t only
+    assert torch.equal(decide[0], own >= m.routers[0].threshold.value)
+    share = decide[0].float().mean().item()
+    assert 0.05 < share < 0.6  # calibrated on the k-th largest own weight: about C
+    assert leak_rate(m, idx, routing_mode="causal") == 0.0
+    assert leak_rate(m, idx) > 0.0  # top-k of the received attention sees later queries
+
+
+@pytest.mark.parametrize("mode", ["topk", "causal"])
+def test_amod_after_a_routed_layer_selects_within_its_selection(mode):
+    """Tokens a routed layer skipped received no attention there: the next layer's choice nests."""
+    from modbench.run.causal_eval import calibrate_causal_rules
+
+    torch.manual_seed(10)
+    m = GPT(CFG, RoutingConfig("amod", capacity=0.125, capacity_first=0.5, pattern="all"))
+    calibrate_causal_rules(m, [torch.randint(0, 256, (4, T))])
+    idx = torch.randint(0, 256, (3, T))
+    sets = processed(m.eval(), idx, mode)
+    for before, after in zip(sets, sets[1:]):
+        assert not (after & ~before).any()
+    assert sets[-1].sum() < sets[0].sum()
+    if mode == "topk":  # layer 0 has no previous layer: the norm fallback, exactly `norm`'s choice
+        with torch.no_grad():
+            top = torch.topk(torch.linalg.vector_norm(m.embed(idx), dim=-1), m.layers[0].capacity.k(T), -1).indices
+        assert torch.equal(sets[0], torch.zeros(3, T, dtype=torch.bool).scatter_(1, top, True))
+
+
+def test_amod_counts_the_extra_attention_scores_in_the_previous_layer():
+    m = GPT(CFG, RoutingConfig("amod", capacity=0.25, pattern="alternate"))
+    plain = GPT(CFG, RoutingConfig("norm", capacity=0.25, pattern="alternate"))
+    d = CFG.width
+    for i, (a, b) in enumerate(zip(m.layers, plain.layers)):
+        extra = a.flops(T).parts["router"] - b.flops(T).parts["router"]
+        if i % 2 == 0:  # dense layers before a routed one: their T × T scores again
+            assert extra == 2 * d * T * T
+        else:  # the routed layers' own score is free (norm's is 2·d per token)
+            assert extra == -2 * d * T
+        assert a.flops(T).backward == b.flops(T).backward
+
+
+# --- MoDE (integrated): one softmax over the expert MLPs and a no-op expert -------------------------
+def integrated(experts: int = 3, capacity: float = 0.25, **options) -> GPT:
+    torch.manual_seed(8)
+    m = GPT(CFG, RoutingConfig("mode_integrated", capacity=capacity, pattern="all",
+                               options={"experts": experts, **options}))
+    for r in m.routers:
+        torch.nn.init.normal_(r.gate.weight, std=0.5)  # a real spread of gate logits
+    return m
+
+
+def test_mode_integrated_router_and_mixture_read_one_gate_with_a_noop_expert():
+    from modbench.model.gpt import TopOneMoE
+
+    m = integrated(experts=3)
+    block: RoutedBlock = m.layers[0]
+    router, moe = block.router, block.block.mlp
+    assert router.scope == "mlp" and isinstance(moe, TopOneMoE) and len(moe.experts) == 3
+    assert moe.gate is router.gate and block.block.norm2 is router.norm  # shared, not copies
+    assert router.gate.out_features == 4  # 3 experts + the no-op
+    # counted once in the model, and trained with the blocks' own parameters
+    assert sum(p.numel() for p in m.parameters()) == sum(p.numel() for _, p in m.named_parameters())
+
+
+def test_mode_integrated_runs_only_the_topk_tokens_through_one_expert_each():
+    """The no-op really saves the MLP: k of T tokens reach the experts, each exactly one expert, output
+    x + p_e·expert_e(norm(x)) with p_e from the softmax over experts + no-op; the rest keep x bit for bit."""
+    m = integrated(experts=3)
+    block: RoutedBlock = m.layers[0]
+    router, moe = block.router, block.block.mlp
+    rows_run: list[int] = []
+    hooks = [e.register_forward_hook(lambda mod, args, out: rows_run.append(args[0].shape[0])) for e in moe.experts]
+    x = torch.randn(2, T, CFG.width)
+    cos, sin = m.rope_cos, m.rope_sin
+    out = block(x, cos, sin)
+    for h in hooks:
+        h.remove()
+    k = block.capacity.k(T)
+    assert k == 16 and sum(rows_run) == 2 * k  # one expert per processed token, none for the others
+    with torch.no_grad():
+        h = x + block.block.attention(x, cos[:T], sin[:T])  # scope "mlp": attention on every token
+        logits = router.logits(h)
+        margin = logits[..., :-1].amax(-1) - logits[..., -1]
+        expected = torch.zeros(2, T, dtype=torch.bool).scatter_(1, margin.topk(k, -1).indices, True)
+        assert torch.equal(out.processed, expected)  # top-k of the experts' margin over the no-op
+        assert torch.equal(out.x[~expected], h[~expected])
+        p = torch.softmax(logits, -1)
+        for b, t in expected.nonzero().tolist():
+            e = int(p[b, t, :-1].argmax())
+            want = h[b, t] + p[b, t, e] * moe.experts[e](router.norm(h[b, t]))
+            torch.testing.assert_close(out.x[b, t], want, rtol=1e-5, atol=1e-6)
+    assert set(out.aux_losses) == {"router_bce", "expert_balance"}
+
+
+def test_mode_integrated_causal_rule_is_argmax_not_the_noop_and_the_balance_is_over_real_experts():
+    m = integrated(experts=4)
+    router = m.routers[0]
+    x = torch.randn(3, T, CFG.width)
+    with torch.no_grad():
+        p = torch.softmax(router.logits(x), -1)
+        assert torch.equal(router.decide_causal(x), p.argmax(-1) != 4)
+        assert 0 < router.decide_causal(x).float().mean() < 1
+        assert router.causal_weight(x, router.decide_causal(x)) is None  # the mixture weights by p_e itself
+    moe = m.layers[0].block.mlp.train()
+    h = torch.randn(40, CFG.width)
+    moe(h)
+    with torch.no_grad():
+        q = torch.softmax(moe.gate(h), -1)[:, :4]
+        real = q / q.sum(-1, keepdim=True)  # the no-op's share renormalised away
+        f = torch.bincount(q.argmax(-1), minlength=4).float() / 40
+        torch.testing.assert_close(moe.balance, 4 * (f * real.mean(0)).sum())
+
+
+def test_mode_integrated_aux_loss_teaches_the_causal_rule():
+    torch.manual_seed(9)
+    from modbench import variants
+
+    router = variants.build_router("mode_integrated", 32, {"aux_weight": 1.0}).train()
+    x = torch.randn(16, T, 32)
+    k = 16
+
+    def agreement() -> float:
+        with torch.no_grad():
+            member = torch.zeros(16, T, dtype=torch.bool).scatter_(1, router.route(x, k).index, True)
+            return (router.decide_causal(x) == member).float().mean().item()
+
+    before = agreement()
+    opt = torch.optim.Adam(router.parameters(), lr=0.05)
+    for _ in range(60):
+        loss = router.route(x, k).aux_losses["router_bce"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert agreement() > max(0.9, before)
+
+
+@pytest.mark.parametrize("experts", [2, 5])
+def test_mode_integrated_flops_count_the_gate_everywhere_and_one_expert_per_processed_token(experts):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    m = integrated(experts=experts)
+    plain = GPT(CFG, RoutingConfig("mlp_skip", capacity=0.25, pattern="all"))  # the MLP at k, no experts
+    d, k, out = CFG.width, m.layers[0].capacity.k(T), experts + 1
+    mine, ref = m.flop_report(T, causal=False), plain.flop_report(T, causal=False)
+    # the router: the gate over E + 1 outputs on all T tokens (mlp_skip's scorer: one output)
+    assert mine.breakdown["router"] - ref.breakdown["router"] == pytest.approx(CFG.layers * T * 2 * d * (out - 1))
+    # the MLP part: one expert's MLP per processed token, plus the mixture's gate on those k tokens
+    assert mine.breakdown["mlp"] - ref.breakdown["mlp"] == pytest.approx(CFG.layers * k * 2 * d * out)
+    idx = torch.randint(0, 256, (2, T))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+        o = m(idx, idx)
+    assert mine.forward == pytest.approx(fc.get_total_flops() / 2, rel=1e-9)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+        o = m(idx, idx)
+        (o.loss + m.weighted_aux_loss(o.aux_losses, 10**6)).backward()
+    assert mine.total == pytest.approx(fc.get_total_flops() / 2, rel=1e-9)
+    # without the BCE nothing backpropagates through the router's gate call, and the count says so
+    m0 = GPT(CFG, RoutingConfig("mode_integrated", capacity=0.25, pattern="all",
+                                options={"experts": experts, "aux_weight": 0.0}))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+        o = m0(idx, idx)
+        (o.loss + m0.weighted_aux_loss(o.aux_losses, 10**6)).backward()
+    assert m0.flop_report(T, causal=False).total == pytest.approx(fc.get_total_flops() / 2, rel=1e-9)
+
+
+@pytest.mark.parametrize("name", ["mode_staged", "mode_integrated"])
+def test_mixture_of_experts_at_inference_keeps_each_row_independent_of_the_others(name):
+    """In eval mode the mixture runs fixed shapes: changing later rows leaves earlier rows bit-identical
+    (ragged expert slices would change the earlier rows' rounding), and it equals the training path."""
+    torch.manual_seed(10)
+    m = GPT(CFG, RoutingConfig(name, capacity=0.25, pattern="all", options={"experts": 4}))
+    moe = m.layers[0].block.mlp
+    torch.nn.init.normal_(moe.gate.weight, std=0.5)
+    h = torch.randn(3 * T, CFG.width)
+    with torch.no_grad():
+        trained = moe.train()(h)
+        base = moe.eval()(h)
+        torch.testing.assert_close(base, trained, rtol=1e-5, atol=1e-6)
+        for cut in (5, 40, 100):
+            other = h.clone()
+            other[cut:] = torch.randn(3 * T - cut, CFG.width)
+            assert torch.equal(moe(other)[:cut], base[:cut])

@@ -4,7 +4,8 @@ Built in: the seed recipes ``norm``, ``linear_softmax``, ``sigmoid``, ``learned_
 ``mlp_skip``; the baseline ``dense`` and the controls ``random``, ``random_gated``, ``random_mlp``;
 and methods of the later literature: ``nested`` (Mixture-of-Recursions), ``token_choice``,
 ``threshold`` (Router-Tuning / MoDification), ``pmod`` (p-MoD's TanhNorm and STRing),
-``mode_staged`` (MoD with a mixture-of-experts MLP). Add your own with ``@register_variant`` (see README).
+``mode_staged`` (MoD with a mixture-of-experts MLP), ``mode_integrated`` (a no-op expert among the
+experts), ``amod`` (A-MoD's attention routing). Add your own with ``@register_variant`` (see README).
 """
 
 from .base import QuantileThreshold, Router, Routing, RunningMean, VariantConfig, linear_ramp, topk_membership
@@ -18,7 +19,7 @@ from .registry import (
 )
 
 # Importing the modules registers the built-in variants.
-from . import controls, learned_temperature, linear_softmax, mlp_skip, mode, nested, norm, pmod, sigmoid, token_choice  # noqa: E402,F401
+from . import amod, controls, learned_temperature, linear_softmax, mlp_skip, mode, nested, norm, pmod, sigmoid, token_choice  # noqa: E402,F401
 
 __all__ = [
     "ENTRY_POINT_GROUP",

@@ -108,6 +108,8 @@ class Router(nn.Module):
     scope: ClassVar[Scope] = "block"
     # >0: the routed block's MLP is a top-1 mixture of this many experts (MoDE); the model builds it.
     mlp_experts: int = 0
+    # True: that mixture's gate has one more output, a no-op expert (integrated MoDE, ``mode_integrated``).
+    mlp_noop_expert: bool = False
     # True: each token decides for itself, so the processed count varies per sequence (Routing.valid).
     variable_count: ClassVar[bool] = False
     # Set by evaluation (modbench.model.decode.causal_agreement): with collect_stats, ``route``
@@ -116,6 +118,11 @@ class Router(nn.Module):
     # True during the final calibration pass (modbench.model.decode.calibrate_causal_rules), for
     # routers whose causal rule needs more than ``observe`` sees (see the random control).
     calibrating: bool = False
+    # True: the router scores by the previous layer's attention (``amod``). The model then makes that
+    # layer expose it and passes its ``AttentionSummary`` as ``previous`` (to ``route`` and
+    # ``decide_causal_given``), and sets ``attention_source`` on routers that have a previous layer.
+    reads_attention: ClassVar[bool] = False
+    attention_source: bool = False
 
     def __init__(self, config: VariantConfig) -> None:
         super().__init__()
@@ -143,9 +150,16 @@ class Router(nn.Module):
         """(B, T) bool: process this token? Uses only the token's own hidden state."""
         raise NotImplementedError
 
+    def attach(self, block: nn.Module) -> None:
+        """Called once by the model with the ``modbench.model.gpt.Block`` this router drives, before
+        initialisation. A router whose score is part of the block binds the shared modules here
+        (``mode_integrated``: the block's MLP norm and expert gate are the router's); others do nothing."""
+
     def decide_causal_given(self, x: Tensor, previous: Tensor | None) -> Tensor:
         """``decide_causal`` given what the previous routed layer processed ((B, T) bool, or None
-        at the first routed layer). Only routers that nest their selection (``nested``) use it."""
+        at the first routed layer). Only routers that nest their selection (``nested``) use it, and
+        those that read the previous layer's attention (``reads_attention``), for which ``previous`` is
+        that layer's ``modbench.model.gpt.AttentionSummary``."""
         return self.decide_causal(x)
 
     def skip_scale(self, x: Tensor) -> Tensor | None:

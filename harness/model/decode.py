@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from modbench.errors import ModbenchError, accepted
-from modbench.model.gpt import GPT, Attention, RoutedBlock
+from modbench.model.gpt import GPT, Attention, AttentionSummary, RoutedBlock, attention_summary
 
 DECODE_MODES = ("causal", "dense")  # top-k cannot decode: it needs the future
 
@@ -92,6 +92,11 @@ class LayerCache:
             visible = torch.arange(L, device=h.device) < count.clamp_min(1).unsqueeze(-1)  # (b, n, L)
             mask = visible.unsqueeze(1)
         y = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
+        if attn.expose:  # the next router reads this layer's attention (amod): each new token's self-weight
+            visible = torch.arange(L, device=h.device) < count.clamp_min(1).unsqueeze(-1)
+            own = attention_summary(q, keys, visible.unsqueeze(1), own=(count - 1).clamp_min(0)).self_weight * keep_
+            full = own if rows is None else torch.zeros(self.k.shape[0], n, device=h.device).index_copy(0, rows, own)
+            attn.exposed = AttentionSummary(full)
         return attn.output(y)
 
 
@@ -142,6 +147,9 @@ class Decoder:
         x = m.embed(idx)
         previous = None  # the last routed layer's decisions for these tokens (nested routing)
         for layer, cache in zip(m.layers, self.caches):
+            attn = layer.block.attn
+            if attn.expose:
+                attn.exposed = None  # (a routed layer that no sequence processes leaves none)
             if isinstance(layer, RoutedBlock) and self.mode == "causal":
                 x, decide = self._routed(layer, cache, x, cos, sin, previous)
                 previous = decide
@@ -149,6 +157,9 @@ class Decoder:
                 self.routed_total += decide.numel()
             else:
                 x = self._dense(layer.block, cache, x, cos, sin)
+            if attn.expose:  # the next router reads this layer's attention (amod): the tokens' self-weights
+                exposed = attn.take_exposed()
+                previous = exposed if exposed is not None else AttentionSummary(torch.zeros(B, n, device=x.device))
         self.pos += n
         return m.head(m.norm(x))
 

@@ -13,6 +13,9 @@ Conventions (the same for every variant, so ratios are comparable):
 - A routed layer processes k = capacity.k(T) tokens: projections at k, attention at k pairs
   ((k(k+1)/2 causal), plus its router on all T tokens (the router's own count, auxiliary
   predictors included). ``mlp_skip`` keeps attention at T and the MLP at k.
+- A layer whose attention the next router reads (``amod``) materialises its full L × L score
+  matrix once more for that router: 2·d·L² FLOPs, counted in its ``router`` part, no backward
+  (the scores are detached).
 - Backward costs 2× forward for every matmul (input and weight gradients); routers report
   their own backward (a detached auxiliary predictor needs weight gradients only).
 - Embedding lookups, norms, RoPE, softmax, GELU, top-k, sort, gather and scatter count as
@@ -55,19 +58,22 @@ class LayerFlops:
 
 def block_flops(d: int, mlp_ratio: int, *, attn_tokens: int, mlp_tokens: int, causal: bool,
                 router: tuple[float, float] = (0.0, 0.0), seq_len: int | None = None,
-                mlp_gate: tuple[float, float] = (0.0, 0.0)) -> LayerFlops:
+                mlp_gate: tuple[float, float] = (0.0, 0.0), attention_summary: bool = False) -> LayerFlops:
     """A pre-norm block whose attention sees ``attn_tokens`` and whose MLP sees ``mlp_tokens``.
 
     ``router`` is the (forward, backward) FLOPs per token of a router that scores all
     ``seq_len`` tokens; ``mlp_gate`` those of a mixture-of-experts gate on each MLP token (a
-    top-1 mixture runs one expert per token: one MLP's FLOPs). Backward is 2× forward for the
-    matmuls plus the router's and the gate's own backward.
+    top-1 mixture runs one expert per token: one MLP's FLOPs). ``attention_summary``: the next
+    router reads this block's attention, which costs its L × L scores again (forward only).
+    Backward is 2× forward for the matmuls plus the router's and the gate's own backward.
     """
     proj_attn, _ = projection_flops(d, mlp_ratio, attn_tokens)
     _, proj_mlp = projection_flops(d, mlp_ratio, mlp_tokens)
     T = seq_len if seq_len is not None else attn_tokens
     parts = {"attn_proj": proj_attn, "attn_scores": attention_flops(d, attn_tokens, causal),
              "mlp": proj_mlp + mlp_gate[0] * mlp_tokens, "router": router[0] * T}
+    if attention_summary:
+        parts["router"] += 2.0 * d * attn_tokens * attn_tokens
     matmuls = parts["attn_proj"] + parts["attn_scores"] + proj_mlp
     return LayerFlops(parts, 2.0 * matmuls + router[1] * T + mlp_gate[1] * mlp_tokens, min(attn_tokens, mlp_tokens))
 

@@ -66,7 +66,47 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 # --- the transformer block ----------------------------------------------------------------
+@dataclass
+class AttentionSummary:
+    """What a layer's attention exposes to the next layer's router (``amod``), detached, (B, T) each.
+
+    self_weight: nᵢ·a_{i,i}, the weight query i puts on its own key relative to uniform over its
+                 nᵢ visible keys (the causal score: only query i has seen token i when it arrives).
+    received:    the attention token j receives, Σ_{i sees j} nᵢ·a_{i,j} / #{i sees j} (uniform
+                 attention gives 1 to every token); None where it was not computed (causal
+                 mode, decoding). Both are averaged over heads and 0 for tokens the layer skipped.
+    """
+
+    self_weight: Tensor
+    received: Tensor | None = None
+
+
+def attention_summary(q: Tensor, k: Tensor, mask: Tensor | None, own: Tensor | None = None) -> AttentionSummary:
+    """``AttentionSummary`` of softmax(qkᵀ/√hd) under ``mask`` (B, 1, n, L) bool, or causal when None
+    (n = L). ``own``: (B, n) slot of each query's own key (decoding), else the diagonal. The full
+    n × L score matrix is materialised (2·n·L·d FLOPs, no gradient)."""
+    q, k = q.detach().float(), k.detach().float()
+    n, L = q.shape[-2], k.shape[-2]
+    causal = mask is None
+    visible = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n) if causal else mask[:, 0]
+    logits = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    a = F.softmax(logits.masked_fill(~visible.unsqueeze(-3), -math.inf), dim=-1).mean(1)  # (B, n, L), heads averaged
+    count = visible.sum(-1).to(a.dtype)  # nᵢ: the keys query i sees
+    if own is not None:
+        return AttentionSummary(a.gather(-1, own.unsqueeze(-1)).squeeze(-1) * count)
+    self_weight = a.diagonal(dim1=-2, dim2=-1) * count
+    if not causal:
+        return AttentionSummary(self_weight)
+    received = (a * count.unsqueeze(-1)).sum(-2) / visible.sum(-2).to(a.dtype)  # every key is seen by itself
+    return AttentionSummary(self_weight, received)
+
+
 class Attention(nn.Module):
+    # True on a layer whose next layer's router reads its attention (``amod``, set by ``GPT``): every
+    # attention call then leaves its ``AttentionSummary`` in ``exposed`` for the layer to pass on.
+    expose: bool = False
+    exposed: AttentionSummary | None = None
+
     def __init__(self, d: int, n_head: int) -> None:
         super().__init__()
         self.n_head = n_head
@@ -74,7 +114,16 @@ class Attention(nn.Module):
         self.proj = nn.Linear(d, d, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        if self.expose:
+            q, k, v = self.project(x, cos, sin)
+            self.exposed = attention_summary(q, k, None)
+            return self.output(F.scaled_dot_product_attention(q, k, v, is_causal=True))
         return self.output(F.scaled_dot_product_attention(*self.project(x, cos, sin), is_causal=True))
+
+    def take_exposed(self) -> AttentionSummary | None:
+        """The summary the last attention call left (None when not exposing), and forget it."""
+        s, self.exposed = self.exposed, None
+        return s
 
     # The causal-mode and KV-cache paths use the two halves of ``forward`` with their own masks.
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -90,6 +139,8 @@ class Attention(nn.Module):
     def forward_masked(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         """Attention with an explicit boolean mask (B, 1, T, T): True = key visible."""
         q, k, v = self.project(x, cos, sin)
+        if self.expose:
+            self.exposed = attention_summary(q, k, mask)
         return self.output(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
 
 
@@ -109,34 +160,53 @@ class TopOneMoE(nn.Module):
     load-balancing loss n · Σᵢ fᵢ·Pᵢ (§2.2). Every token runs exactly one expert, so its FLOPs
     per token are one MLP's plus the gate's, whatever the assignment. The MLP of MoDE (staged).
 
-    Execution: tokens sorted by expert, one matmul pair per expert on its slice. The slice
-    sizes are one host sync per layer (the price of ragged expert batches without a grouped
-    kernel).
+    ``noop=True`` (integrated MoDE, ``mode_integrated``): the gate has one more output, a no-op
+    expert (output zero: the token keeps its residual). A token here still runs its top-1 *real*
+    expert, output × that expert's probability in the softmax over all n + 1 (the router, which
+    reads the same gate, already sent the no-op's tokens around the MLP); the balance loss uses the
+    real experts' probabilities renormalised over the real experts.
+
+    Execution in training: tokens sorted by expert, one matmul pair per expert on its slice. The
+    slice sizes are one host sync per layer (the price of ragged expert batches without a grouped
+    kernel). In eval mode every expert runs on every token (fixed shapes; see ``forward``).
     """
 
-    def __init__(self, d: int, ratio: int, n: int) -> None:
+    def __init__(self, d: int, ratio: int, n: int, noop: bool = False) -> None:
         super().__init__()
-        self.gate = nn.Linear(d, n, bias=False)
+        self.gate = nn.Linear(d, n + int(noop), bias=False)
         self.experts = nn.ModuleList(MLP(d, ratio) for _ in range(n))
         self.balance: Tensor | None = None  # the last training forward's load-balancing loss
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
         p = F.softmax(self.gate(flat).float(), dim=-1)
-        weight, expert = p.max(-1)
+        n = len(self.experts)
+        real = p[:, :n]  # all of p without a no-op expert
+        weight, expert = real.max(-1)
+        if not self.training:
+            # Inference (evaluation, causal mode, decoding): every expert on every token, fixed shapes,
+            # each token keeping its own expert's output. A ragged slice's size depends on the other
+            # tokens, later ones included, and BLAS rounds a row differently at different row counts:
+            # the future would move the past's last bits, and the causal leak check is exact. E× the
+            # MLP's work, at inference only; training (what the FLOP count covers) runs one expert per token.
+            y = torch.zeros_like(flat)
+            for e, mlp in enumerate(self.experts):
+                y = torch.where((expert == e).unsqueeze(-1), mlp(flat).to(flat.dtype), y)
+            return (y * weight.unsqueeze(-1).to(y.dtype)).view(x.shape)
         order = torch.argsort(expert, stable=True)
         counts = torch.bincount(expert, minlength=len(self.experts))
         parts = flat.index_select(0, order).split(counts.tolist())
         y = torch.cat([mlp(part) for mlp, part in zip(self.experts, parts)])
         y = y * weight.index_select(0, order).unsqueeze(-1).to(y.dtype)
         out = torch.empty_like(flat).index_copy_(0, order, y.to(flat.dtype))
-        if self.training:
-            self.balance = len(self.experts) * (counts.float() / flat.shape[0] * p.mean(0)).sum()
+        if p.shape[-1] > n:
+            real = real / real.sum(-1, keepdim=True)
+        self.balance = n * (counts.float() / flat.shape[0] * real.mean(0)).sum()
         return out.view(x.shape)
 
     def gate_flops(self, d: int) -> tuple[float, float]:
         """(forward, backward) FLOPs per token of the gate (the experts count as one MLP)."""
-        return 2.0 * d * len(self.experts), 4.0 * d * len(self.experts)
+        return 2.0 * d * self.gate.out_features, 4.0 * d * self.gate.out_features
 
 
 class Block(nn.Module):
@@ -148,14 +218,14 @@ class Block(nn.Module):
     LayerCache``, passed in as in nanochat, with ``keep``/``rows`` for a routed layer).
     """
 
-    def __init__(self, cfg: ModelConfig, experts: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, experts: int = 0, noop_expert: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         self.norm1 = nn.RMSNorm(cfg.width)
         self.attn = Attention(cfg.width, cfg.heads)
         self.norm2 = nn.RMSNorm(cfg.width)
         # A mixture of experts when the variant asks for one (MoDE), else the MLP.
-        self.mlp = TopOneMoE(cfg.width, cfg.mlp_ratio, experts) if experts else MLP(cfg.width, cfg.mlp_ratio)
+        self.mlp = TopOneMoE(cfg.width, cfg.mlp_ratio, experts, noop_expert) if experts else MLP(cfg.width, cfg.mlp_ratio)
 
     def attention(self, x: Tensor, cos: Tensor, sin: Tensor, *, mask: Tensor | None = None, cache=None,
                   keep: Tensor | None = None, rows: Tensor | None = None) -> Tensor:
@@ -207,6 +277,7 @@ class LayerOutput:
     aux_losses: dict[str, Tensor] = field(default_factory=dict)
     stats: dict[str, Tensor] = field(default_factory=dict)
     processed: Tensor | None = None  # (B, T) bool at a routed layer: what the next routed layer may nest in
+    attention: AttentionSummary | None = None  # when the next layer's router reads this layer's attention (amod)
 
 
 class RoutedBlock(nn.Module):
@@ -214,7 +285,8 @@ class RoutedBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, router: Router, capacity: CapacitySchedule) -> None:
         super().__init__()
-        self.block = Block(cfg, experts=router.mlp_experts)
+        self.block = Block(cfg, experts=router.mlp_experts, noop_expert=router.mlp_noop_expert)
+        router.attach(self.block)  # a router that shares the block's modules binds them (mode_integrated)
         self.router = router
         self.base_capacity = capacity  # after any warm-up
         self.capacity = capacity  # at the current training step (GPT.set_step)
@@ -274,7 +346,15 @@ class RoutedBlock(nn.Module):
         aux = r.aux_losses
         if isinstance(self.block.mlp, TopOneMoE) and self.training:
             aux = {**aux, "expert_balance": self.block.mlp.balance}
-        return LayerOutput(out, aux, stats, processed)
+        return LayerOutput(out, aux, stats, processed, self._exposed(r.index, T))
+
+    def _exposed(self, index: Tensor, seq_len: int) -> AttentionSummary | None:
+        """The attention summary of the selected subset, scattered to all positions (0 where skipped)."""
+        s = self.block.attn.take_exposed()
+        if s is None:
+            return None
+        zeros = torch.zeros(index.shape[0], seq_len, device=index.device)
+        return AttentionSummary(zeros.scatter(1, index, s.self_weight), zeros.scatter(1, index, s.received))
 
     def flops(self, seq_len: int, *, causal: bool = True) -> flop_math.LayerFlops:
         """Analytic FLOPs over one sequence: the block at k tokens (the MLP alone at k for
@@ -285,7 +365,8 @@ class RoutedBlock(nn.Module):
         mlp = self.block.mlp
         gate = mlp.gate_flops(cfg.width) if isinstance(mlp, TopOneMoE) else (0.0, 0.0)
         return flop_math.block_flops(cfg.width, cfg.mlp_ratio, attn_tokens=attn_tokens, mlp_tokens=k, causal=causal,
-                                     router=self.router.flops_per_token(cfg.width), seq_len=seq_len, mlp_gate=gate)
+                                     router=self.router.flops_per_token(cfg.width), seq_len=seq_len, mlp_gate=gate,
+                                     attention_summary=self.block.attn.expose)
 
     def forward_causal(self, x: Tensor, cos: Tensor, sin: Tensor, previous: Tensor | None = None) -> LayerOutput:
         """Route each token by ``decide_causal`` (its own state), in one masked pass.
@@ -300,7 +381,9 @@ class RoutedBlock(nn.Module):
         decide = self.router.decide_causal_given(x, previous)
         delta = self.routed_delta(x, cos, sin, mask=causal_routing_mask(decide))
         out = self.mix_causal(x, decide, delta)
-        return LayerOutput(out, {}, {"decide": decide} if self.router.collect_stats else {}, decide)
+        s = self.block.attn.take_exposed()
+        s = None if s is None else AttentionSummary(s.self_weight * decide)  # skipped tokens received nothing
+        return LayerOutput(out, {}, {"decide": decide} if self.router.collect_stats else {}, decide, s)
 
     def forward_dense(self, x: Tensor, cos: Tensor, sin: Tensor) -> LayerOutput:
         """MoD off: a plain block on every token, router and weights ignored."""
@@ -315,11 +398,12 @@ class DenseLayer(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> LayerOutput:
         T = x.shape[1]
-        return LayerOutput(self.block(x, cos[:T], sin[:T]))
+        return LayerOutput(self.block(x, cos[:T], sin[:T]), attention=self.block.attn.take_exposed())
 
     def flops(self, seq_len: int, *, causal: bool = True) -> flop_math.LayerFlops:
         cfg = self.block.cfg
-        return flop_math.block_flops(cfg.width, cfg.mlp_ratio, attn_tokens=seq_len, mlp_tokens=seq_len, causal=causal)
+        return flop_math.block_flops(cfg.width, cfg.mlp_ratio, attn_tokens=seq_len, mlp_tokens=seq_len, causal=causal,
+                                     attention_summary=self.block.attn.expose)
 
 
 @dataclass
@@ -354,6 +438,10 @@ class GPT(nn.Module):
             else:
                 layers.append(DenseLayer(cfg))
         self.layers = nn.ModuleList(layers)
+        for before, layer in zip(layers, layers[1:]):  # a router that scores by the previous layer's attention (amod)
+            if isinstance(layer, RoutedBlock) and layer.router.reads_attention:
+                before.block.attn.expose = True
+                layer.router.attention_source = True
         self.norm = nn.RMSNorm(cfg.width)
         self.head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg.max_seq_len, cfg.width // cfg.heads, cfg.rope_base)
@@ -410,6 +498,8 @@ class GPT(nn.Module):
             x = out.x
             if out.processed is not None:
                 previous = out.processed
+            if out.attention is not None:  # the next router reads this layer's attention (amod)
+                previous = out.attention
             for name, value in out.aux_losses.items():
                 aux[name] = aux[name] + value if name in aux else value
             if out.stats:
