@@ -43,10 +43,12 @@ def connect_storage(url: str, **kwargs) -> optuna.storages.RDBStorage:
 
     Creating a fresh SQLite store runs Optuna's schema migration; two workers started at the
     same instant would both run it and one would fail ("UNIQUE constraint failed:
-    alembic_version"). A lock file beside the database makes them take turns.
+    alembic_version"). A lock file beside the database makes them take turns; on PostgreSQL
+    (workers on several machines) an advisory lock does the same ("duplicate key value violates
+    unique constraint pg_type_typname_nsp_index" otherwise).
     """
     try:
-        with _sqlite_creation_lock(url):
+        with _sqlite_creation_lock(url), _postgres_creation_lock(url):
             return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True}, **kwargs)
     except ModbenchError:
         raise
@@ -56,6 +58,29 @@ def connect_storage(url: str, **kwargs) -> optuna.storages.RDBStorage:
             f"cannot open Optuna storage {redact(url)!r}: {reason}; check the URL and that the database "
             "server is running (e.g. postgresql+psycopg://user@host:5432/db or sqlite:///path/optuna.db)"
         ) from None
+
+
+# pg_advisory_lock key (any constant bigint) serialising Optuna's schema creation in one database
+_PG_SCHEMA_LOCK = 0x6D6F6462656E6368  # "modbench"
+
+
+@contextmanager
+def _postgres_creation_lock(url: str):
+    if not url.startswith("postgresql"):
+        yield
+        return
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text("SELECT pg_advisory_lock(:key)"), {"key": _PG_SCHEMA_LOCK})
+            try:
+                yield
+            finally:
+                conn.execute(sa.text("SELECT pg_advisory_unlock(:key)"), {"key": _PG_SCHEMA_LOCK})
+    finally:
+        engine.dispose()
 
 
 @contextmanager
