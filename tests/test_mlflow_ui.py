@@ -1,7 +1,10 @@
 """``modbench ui`` end to end: a real study, the real MLflow server, headless Chromium.
 
-The browser checks that a study's experiment page lists its trials by variant and capacity
-and that the compare-runs view of two trials shows both with their differing params. Without
+The browser checks that a study's experiment opens in MLflow's model-training layout (not the
+GenAI one), that its page lists the trials by variant and capacity, that grouping by the arm tag
+shows every arm (dense included) in the table and in the charts, that the compare-runs view of two
+trials shows both with their differing params, and that the metric view of two arms draws both
+val/bpb curves. Each check saves a screenshot next to the study (printed with ``pytest -s``). Without
 chromium/chromedriver (Debian: ``apt-get install chromium chromium-driver``) those tests skip,
 except when ``CI`` is set: CI must not pass by skipping them.
 """
@@ -17,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -169,6 +173,23 @@ def _close_assistant(driver) -> None:
         button.click()
 
 
+def _open_fresh(driver, url: str) -> None:
+    """Load ``url`` as a new visitor: MLflow keeps view state (grouping, layout) in localStorage."""
+    base = url.split("#", 1)[0]
+    driver.get(base)
+    driver.execute_script("window.localStorage.clear(); window.sessionStorage.clear();")
+    driver.get("about:blank")  # a full load, not a same-document hash change
+    driver.get(url)
+
+
+def _shown(driver, text: str) -> list:
+    """Displayed elements whose own text is ``text``."""
+    from selenium.webdriver.common.by import By
+
+    return [e for e in driver.find_elements(By.XPATH, f"//*[normalize-space(text())={json.dumps(text)}]")
+            if e.is_displayed()]
+
+
 def _screenshot(driver, path: Path) -> None:
     driver.save_screenshot(str(path))
     print(f"screenshot: {path}")
@@ -193,7 +214,7 @@ def test_experiment_page_lists_the_studys_trials(browser, server, trials, study_
     from selenium.webdriver.support import expected_conditions as EC
 
     experiment_id, runs = trials
-    assert server.endswith(f"#/experiments/{experiment_id}/runs")
+    assert server.endswith(f"#/experiments/{experiment_id}/runs?workflowType=machine_learning")
     browser.get(server)
     wait = _wait(browser)
     parent = wait.until(EC.visibility_of_element_located(_link(f"study {STUDY}")))
@@ -257,6 +278,105 @@ def test_compare_view_shows_both_runs_and_their_differing_params(browser, server
     table = browser.find_element(By.XPATH, "//tr[th[normalize-space()='arm.variant']]")
     browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", table)
     _screenshot(browser, study_dir / "compare_runs.png")
+
+
+GENAI_ONLY = ("Judges", "Prompts", "Sessions", "Evaluation runs", "Training runs")  # the GenAI sidebar and title
+
+
+def test_experiment_opens_in_the_model_training_layout(browser, server, trials, study_dir):
+    """The URL `modbench ui` prints opens the runs table with the model-training sidebar, for a
+    visitor with no saved layout (MLflow's default is GenAI: Traces, Judges, Prompts, ...)."""
+    from selenium.webdriver.support import expected_conditions as EC
+
+    experiment_id, _ = trials
+    client = MlflowClient(tracking_uri=f"sqlite:///{study_dir / 'mlflow.db'}")
+    assert client.get_experiment(experiment_id).tags.get("mlflow.experimentKind") == "custom_model_development"
+    _open_fresh(browser, server)
+    wait = _wait(browser)
+    wait.until(EC.visibility_of_element_located(_link(f"study {STUDY}")))  # the runs table has loaded
+    _close_assistant(browser)
+    wait.until(lambda d: _shown(d, "Model registry") and _shown(d, "Models"), "no model-training sidebar")
+    assert _shown(browser, "Runs"), "the page is not titled Runs"
+    assert _shown(browser, "Group by") and _shown(browser, "Columns")  # the runs table's toolbar
+    for genai in GENAI_ONLY:
+        assert not _shown(browser, genai), f"GenAI layout: {genai!r} is on the page"
+    _screenshot(browser, study_dir / "training_layout.png")
+
+
+def test_grouping_by_arm_shows_every_arm_in_table_and_charts(browser, server, trials, study_dir):
+    """Group by the `modbench.arm` tag: one group per arm, dense included, in the runs table and in
+    the chart view, whose val/bpb chart has a curve for each arm."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+
+    _, runs = trials
+    arms = sorted(r.data.tags["modbench.arm"] for r in runs)
+    assert len(arms) == 2 and any(a.startswith("dense") for a in arms), arms
+    _open_fresh(browser, server)
+    wait = _wait(browser)
+    wait.until(EC.visibility_of_element_located(_link(f"study {STUDY}")))
+    _close_assistant(browser)
+    wait.until(EC.element_to_be_clickable((By.XPATH, "//button[normalize-space()='Group by']"))).click()
+    search = wait.until(EC.visibility_of_element_located((By.CSS_SELECTOR, "[role='menu'] input[placeholder='Search']")))
+    search.send_keys("modbench.arm")
+    wait.until(EC.element_to_be_clickable(
+        (By.XPATH, "//*[@role='menu']//*[normalize-space(text())='modbench.arm']"))).click()
+    wait.until(lambda d: _shown(d, "Group by: modbench.arm"), "grouping not applied")
+    for arm in arms:
+        wait.until(lambda d: _shown(d, f"Group: {arm}"), f"no group for arm {arm!r} in the runs table")
+    for run in runs:  # groups start expanded: every trial is listed under its arm
+        wait.until(EC.visibility_of_element_located(_link(run.info.run_name)))
+    _screenshot(browser, study_dir / "grouped_by_arm.png")
+
+    # The chart view (the toolbar's chart button sets compareRunsMode=CHART), same grouping.
+    browser.get(browser.current_url.replace("/runs?", "/runs?compareRunsMode=CHART&", 1))
+    search = wait.until(EC.visibility_of_element_located((By.CSS_SELECTOR, "input[placeholder='Search metric charts']")))
+    for arm in arms:
+        wait.until(lambda d: _shown(d, f"Group: {arm}"), f"arm {arm!r} missing from the chart view's run list")
+    search.send_keys("val/bpb")
+    card_xpath = ("//*[@data-testid='experiment-view-compare-runs-card']"
+                  "[.//*[normalize-space(text())='val/bpb']]")
+    card = wait.until(EC.visibility_of_element_located((By.XPATH, card_xpath)))
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'});", card)
+
+    for arm in arms:  # the chart's legend names each arm's curve
+        wait.until(EC.visibility_of_element_located(
+            (By.XPATH, f"{card_xpath}//*[normalize-space(text())={json.dumps(f'{arm} (val/bpb)')}]")),
+            f"no val/bpb curve for arm {arm!r} in the chart view")
+    _screenshot(browser, study_dir / "grouped_by_arm_charts.png")
+
+
+def test_metric_view_of_two_arms_draws_both_val_bpb_curves(browser, server, trials, study_dir):
+    """MLflow's metric view of the two trials (its own route, as the compare page links it): a
+    val/bpb curve per run, and per run the latest/min/max with their steps as the store has them."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as EC
+
+    experiment_id, runs = trials
+    client = MlflowClient(tracking_uri=f"sqlite:///{study_dir / 'mlflow.db'}")
+    base = server.split("#", 1)[0]
+    # mlflow/server/js: getMetricPageRoute(runUuids, metricKey, experimentIds, plotMetricKeys, ...)
+    browser.get(f"{base}#/metric?runs={json.dumps([r.info.run_id for r in runs])}"
+                f"&metric={urllib.parse.quote(json.dumps('val/bpb'))}&experiments={json.dumps([experiment_id])}"
+                f"&plot_metric_keys={urllib.parse.quote(json.dumps(['val/bpb']))}&x_axis=step&{server.split('?')[-1]}")
+    wait = _wait(browser)
+    wait.until(EC.visibility_of_element_located((By.XPATH, "//*[contains(text(), 'Comparing 2 Runs')]")))
+    _close_assistant(browser)
+    for run in runs:
+        wait.until(lambda d: _shown(d, f"{run.info.run_name} (val/bpb)"), f"no val/bpb curve for {run.info.run_name}")
+        points = sorted(client.get_metric_history(run.info.run_id, "val/bpb"), key=lambda m: m.step)
+        assert len(points) >= 2, points  # a curve, not a dot: the periodic evaluation and the final one
+        low, high = min(points, key=lambda m: m.value), max(points, key=lambda m: m.value)
+        expected = [f"{points[-1].value} (step={points[-1].step})", f"{low.value} (step={low.step})",
+                    f"{high.value} (step={high.step})"]
+
+        def cells(_d, name=run.info.run_name) -> list[str]:
+            return [td.text for td in browser.find_elements(
+                By.XPATH, f"//tr[td[1][normalize-space()={json.dumps(name)}]]/td[position() > 1]")]
+
+        wait.until(lambda d: cells(d) == expected, f"{run.info.run_name}: table shows {cells(None)}, not {expected}")
+    assert len(browser.find_elements(By.CSS_SELECTOR, "g.scatterlayer g.trace")) >= 2  # curves drawn, not only named
+    _screenshot(browser, study_dir / "metric_val_bpb.png")
 
 
 def test_port_in_use_is_one_line_error(study_dir):

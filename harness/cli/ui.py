@@ -88,13 +88,19 @@ def server_command(uri: str, host: str, port: int) -> list[str]:
     return cmd
 
 
+# MLflow 3's UI lays a page out for GenAI (Traces, Judges, Prompts, Evaluation runs in the sidebar)
+# unless the URL asks for model training: its sidebar then offers Runs, Models and the model registry.
+# The experiment's mlflow.experimentKind tag (tracking.py) does not switch that layout in 3.17.
+TRAINING_LAYOUT = "workflowType=machine_learning"
+
+
 def ui_url(host: str, port: int, experiment_id: str | None = None) -> str:
-    """The address a browser on this machine opens."""
+    """The address a browser on this machine opens, in MLflow's model-training layout."""
     shown = "127.0.0.1" if host in _WILDCARD_HOSTS else host
     if ":" in shown:
         shown = f"[{shown}]"
     url = f"http://{shown}:{port}/"
-    return url + f"#/experiments/{experiment_id}/runs" if experiment_id else url
+    return url + (f"#/experiments/{experiment_id}/runs" if experiment_id else "#/experiments") + f"?{TRAINING_LAYOUT}"
 
 
 def serve(cmd: list[str], env: dict[str, str]) -> int:
