@@ -37,7 +37,7 @@ CASES = [
     (["train", "--dataset", "missing/corpus.txt"], "dataset file 'missing/corpus.txt' does not exist"),
     (["train", "--option", "aux_weight"], "--option 'aux_weight' is not KEY=VALUE"),
     (["train", "--config", "nope.toml"], "config file 'nope.toml' does not exist"),
-    (["variants", "zz*"], "no variant matches 'zz*': registered variants are 'dense'"),
+    (["variants", "zz*"], "no variant matches 'zz*': registered variants are 'amod', 'dense'"),
     (["study", "run", "nope.toml"], "no study file 'nope.toml', and no shipped study of that name"),
     (["study", "status", "nope"], "no study 'nope' under"),
     (["study", "status", STUDY, "--storage", "nosuchdialect://x"], "cannot open Optuna storage 'nosuchdialect://x'"),
