@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -56,3 +57,23 @@ def test_wheel_holds_only_modbench_and_its_studies(tmp_path):
                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert ran.stdout.strip().startswith(str(site))
+
+    # The user's path after `pip install modbench`, in an empty directory: the commands, the shipped
+    # studies by name, a study run and its report, all from the installed wheel alone.
+    env = {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home")}
+
+    def modbench(*args: str) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, "-m", "modbench.cli", *args], cwd=outside, env=env,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, (args, done.stderr[-2000:])
+        return done
+
+    from modbench import __version__
+
+    assert modbench("--version").stdout.strip() == f"modbench {__version__}"
+    assert {"quick", "smoke", "paper_claims"} <= {row["study"] for row in json.loads(modbench("study", "list", "--json").stdout)}
+    assert 'name = "quick"' in modbench("study", "show", "quick").stdout
+    assert json.loads(modbench("study", "run", "smoke", "--quiet").stdout)["trials"] == {"COMPLETE": 4}
+    modbench("report", "smoke", "--quiet")
+    report = (outside / "reports" / "smoke" / "report.md").read_text()
+    assert "4 complete of 4 planned" in report and str(tmp_path) not in report
