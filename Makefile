@@ -32,7 +32,7 @@ demo: $(STAMP)
 	$(BIN)/modbench demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 bench: $(STAMP)
 	mkdir -p reports/bench
