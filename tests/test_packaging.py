@@ -74,6 +74,7 @@ def test_wheel_holds_only_modbench_and_its_studies(tmp_path):
     assert {"quick", "smoke", "paper_claims"} <= {row["study"] for row in json.loads(modbench("study", "list", "--json").stdout)}
     assert 'name = "quick"' in modbench("study", "show", "quick").stdout
     assert json.loads(modbench("study", "run", "smoke", "--quiet").stdout)["trials"] == {"COMPLETE": 4}
-    modbench("report", "smoke", "--quiet")
+    quiet = modbench("report", "smoke", "--quiet")
+    assert json.loads(quiet.stdout) == {"report": "reports/smoke/report.md"} and quiet.stderr == "", quiet.stderr[-500:]
     report = (outside / "reports" / "smoke" / "report.md").read_text()
     assert "4 complete of 4 planned" in report and str(tmp_path) not in report

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from modbench.cli.common import add_tracking_flag, tracking_uri_of
 
@@ -10,6 +11,8 @@ from modbench.cli.common import add_tracking_flag, tracking_uri_of
 def run(args) -> int:
     from modbench.report.build import build_report, command_line
 
+    if args.quiet or args.json:  # MLflow's own bars while fetching checkpoints, too
+        os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
     path = build_report(args.study_file, uri=tracking_uri_of(args), storage=args.storage, out_dir=args.out_dir, reports_dir=args.reports_dir,
                         command=command_line(), progress=not (args.quiet or args.json))
     if args.quiet or args.json:
