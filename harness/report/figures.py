@@ -28,11 +28,19 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 _CONTROL_GREYS = {"random": "0.45", "random_gated": "0.6", "random_mlp": "0.75"}
 
 
+def _learned_palette() -> list:
+    """18 distinct colours, none grey (grey is the controls'): tab10 without its grey, then tab20's
+    light shades without theirs."""
+    tab10, tab20 = matplotlib.colormaps["tab10"], matplotlib.colormaps["tab20"]
+    return [tab10(i) for i in range(10) if i != 7] + [tab20(i) for i in range(1, 20, 2) if i != 15]
+
+
 def variant_colors(variants: list[str]) -> dict[str, object]:
-    """Stable colours: dense black, controls grey, learned variants from tab10 in name order."""
-    cmap = matplotlib.colormaps["tab10"]
+    """Stable colours: dense black, controls grey, learned variants from a grey-free palette in name
+    order (distinct up to 18 learned variants in one figure)."""
+    palette = _learned_palette()
     learned = sorted(v for v in set(variants) if v != "dense" and v not in _CONTROL_GREYS)
-    colors: dict[str, object] = {v: cmap(i % cmap.N) for i, v in enumerate(learned)}
+    colors: dict[str, object] = {v: palette[i % len(palette)] for i, v in enumerate(learned)}
     colors.update({v: g for v, g in _CONTROL_GREYS.items() if v in variants})
     if "dense" in variants:
         colors["dense"] = "black"
