@@ -46,17 +46,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import QuantileThreshold, Router, Routing, VariantConfig
+from .base import QuantileThreshold, Router, Routing
+from .norm import NormConfig
 from .registry import register_variant
 
 
 @dataclass(frozen=True)
-class AmodConfig(VariantConfig):
-    calibration_momentum: float = 0.01  # EMA rate of the causal threshold
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.calibration_momentum <= 1.0:
-            raise ValueError(f"calibration_momentum must be in (0, 1], got {self.calibration_momentum}")
+class AmodConfig(NormConfig):
+    """The same one option as ``norm`` (the causal threshold's EMA rate; norm is also the fallback)."""
 
 
 def _summary(previous: object):
