@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import nullcontext
 
+from modbench import interrupts
 from modbench.run import distributed
 from modbench.errors import ModbenchError
 from modbench.cli.common import add_tracking_flag, tracking_uri_of
@@ -32,7 +34,11 @@ def run(args) -> int:
             print(f"modbench train: {describe(cfg.model, cfg.routing)}")
             print(cfg.to_json())
         uri = tracking_uri_of(args) if cfg.train.track else None
-        result = train(cfg, tracking_uri=uri, resume=args.resume, progress=not args.quiet)
+        # One process: Ctrl-C/SIGTERM stop between two steps (modbench.interrupts). Under
+        # torchrun every rank must stop at the same step, which a per-process flag cannot
+        # promise, so there the signal interrupts where it lands and torchrun ends the group.
+        with nullcontext() if distributed.launched_world_size() > 1 else interrupts.deferred():
+            result = train(cfg, tracking_uri=uri, resume=args.resume, progress=not args.quiet)
     except ModbenchError as e:
         if main:
             raise

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from modbench import interrupts
 from modbench.run import distributed, step_metrics
 from modbench.run.heatmap import log_routing_heatmap
 from modbench.run.step_metrics import Window, mean_logged
@@ -193,6 +194,7 @@ def _train(cfg: RunConfig, device: torch.device, *, tracker: RunTracker | None, 
         run.window_start = time.perf_counter()
         run.run_start = time.perf_counter() - run.elapsed_before
         while (frac := _progress_fraction(run)) is not None:
+            interrupts.check()  # Ctrl-C/SIGTERM stop here, between two steps (modbench.interrupts)
             log_now = _train_step(run, frac)
             if log_now:
                 bar.set_postfix(**_log_step(run))

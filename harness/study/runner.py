@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import socket
 import sys
 import time
@@ -30,6 +29,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from modbench import interrupts
 from modbench.errors import ModbenchError, redact
 from modbench.results import RunRecord
 from modbench.config.study import Arm, Study, load_study
@@ -53,10 +53,6 @@ class StudyInterrupted(ModbenchError):
     exit_code = 130
 
 
-def _sigterm_as_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -65,12 +61,6 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, another user's
         return True
     return True
-
-
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
 
 
 @dataclass
@@ -246,12 +236,13 @@ class Runner:
             trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
             tracker.log_params({"trial.number": trial.number, "trial.seed": seed, **{f"arm.{k}": v for k, v in arm.params().items()}})
             try:
+                interrupts.check()  # asked to stop while the run opened: this trial waits for the re-run
                 result = train(cfg, tracker=tracker, progress=False, on_eval=report)
             except optuna.TrialPruned:
                 tracker.set_tags({"optuna.state": "PRUNED"})
                 tracker.end("KILLED")
                 raise
-            except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (run_study turns it into one)
+            except KeyboardInterrupt:  # Ctrl-C or SIGTERM, raised at a safe point (modbench.interrupts)
                 tracker.set_tags({"optuna.state": "INTERRUPTED"})
                 tracker.end("KILLED")
                 self._requeue(trial, arm, seed)
@@ -327,6 +318,7 @@ class Runner:
         bar = _Progress(progress, self)
         try:
             while max_trials is None or ran < max_trials:
+                interrupts.check()  # a stop asked for after the last trial's final check
                 if timeout_s and time.monotonic() - start > timeout_s:
                     break
                 with warnings.catch_warnings():
@@ -417,16 +409,14 @@ def run_study(path: str | Path, *, storage: str | None = None, out_dir: str | Pa
     t0 = time.monotonic()
     runner = Runner(study, url, Path(out_dir), tracking_uri=tracking_uri, heartbeat=heartbeat, grace=grace)
     timeout = study.settings.timeout_s or None
-    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt) if _main_thread() else None
     try:
-        ran = runner.run(max_trials=n_trials, progress=progress, timeout_s=timeout)
+        with interrupts.deferred():
+            ran = runner.run(max_trials=n_trials, progress=progress, timeout_s=timeout)
+            interrupts.check()  # asked during the last trial's final writes: still say so, exit 130
     except KeyboardInterrupt:
-        what = runner.interrupted or "no trial was running"
-        raise StudyInterrupted(f"interrupted: {what}; it is queued again, and running the same command "
-                               "finishes the study") from None
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        what = runner.interrupted
+        raise StudyInterrupted(f"interrupted: {what}; it is queued again, and running the same command finishes the study"
+                               if what else "interrupted between trials; running the same command finishes the study") from None
     best = best_trials(runner.optuna)
     best_info = None
     if best:
