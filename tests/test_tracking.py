@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import socket
 import struct
 from pathlib import Path
@@ -299,6 +300,83 @@ def test_seconds_accumulates_and_store_calls_are_batched(store, cwd, monkeypatch
     tr.end()
     assert len(calls) == 3
     assert tr.seconds > after_start
+
+
+def test_background_start_logs_everything_in_order(store, cwd):
+    """start_in_background: the caller only queues; the run, once ended, holds every param, tag,
+    metric point, dataset and artifact, as with start()."""
+    tr = Tracker("background", run_name="bg", uri=store, tags={"variant": "mod"}, flush_every=3).start_in_background()
+    assert tr._worker is not None  # a plain SQLite file is checked cheaply, so it opens in the background
+    tr.log_params({"lr": 0.001, "depth": 4})
+    tr.set_tags({"dataset": "arithmetic"})
+    tr.log_dataset("arithmetic(seed=0)", "abc123", "made on the machine", "training")
+    tr.monitor_system(0)
+    for step in range(10):
+        tr.log_metrics({"loss": float(step)}, step=step)
+    tr.log_dict({"a": 1}, "config.json")
+    (cwd / "ckpt.pt").write_bytes(b"weights")
+    tr.log_artifact(cwd / "ckpt.pt", "checkpoint")
+    run_id = tr.run_id  # waits for the run to exist
+    tr.flush()  # waits for the store
+    client = MlflowClient(tracking_uri=store)
+    assert [m.step for m in history(client, run_id, "loss")] == list(range(10))
+    tr.end()
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "bg"
+    assert run.data.params == {"lr": "0.001", "depth": "4"}
+    assert run.data.tags["variant"] == "mod" and run.data.tags["dataset"] == "arithmetic"
+    assert run.inputs.dataset_inputs[0].dataset.name == "arithmetic(seed=0)"
+    assert {a.path for a in client.list_artifacts(run_id)} == {"checkpoint", "config.json"}
+    assert not tr._worker.is_alive()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_run_shorter_than_one_sampling_interval_still_has_system_metrics(store, cwd, background):
+    """MLflow's monitor logs a sample only after a whole interval; the run ends long before 60 s
+    (and, in the background, maybe before the monitor has started): its samples still land."""
+    tr = Tracker("sysmetrics", uri=store)
+    tr = tr.start_in_background() if background else tr.start()
+    tr.monitor_system(60)
+    tr.log_metrics({"loss": 1.0}, step=0)
+    run_id = tr.run_id
+    tr.end()
+    logged = MlflowClient(tracking_uri=store).get_run(run_id).data.metrics
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(logged)
+
+
+def test_background_start_refuses_a_store_it_cannot_write_at_once(tmp_path):
+    """The check start_in_background makes before training (no MLflow import): one line now."""
+    with pytest.raises(ModbenchError, match="cannot reach MLflow tracking store"):
+        Tracker("x", uri=f"sqlite:///{tmp_path / 'missing' / 'mlflow.db'}").start_in_background()
+    db = tmp_path / "ro" / "mlflow.db"
+    db.parent.mkdir()
+    uri = f"sqlite:///{db}"
+    Tracker("x", uri=uri).start().end()  # creates the store
+    db.chmod(0o444)
+    try:
+        if os.access(db, os.W_OK):
+            pytest.skip("running as a user who may write read-only files")
+        with pytest.raises(ModbenchError, match="refused to start a run .*readonly"):
+            Tracker("x", uri=uri).start_in_background()
+    finally:
+        db.chmod(0o644)
+
+
+def test_background_errors_reach_the_caller_and_the_run_still_ends(store, cwd):
+    with Tracker("bgerr", uri=store) as first:
+        first.log_params({"lr": 0.001})
+    tr = Tracker("bgerr", uri=store).start_in_background()
+    tr.log_params({"lr": 0.001})
+    tr.flush()
+    client = MlflowClient(tracking_uri=store)
+    client.log_param(tr.run_id, "depth", 4)
+    tr.log_params({"depth": 8})  # refused by the store, in the background
+    with pytest.raises(ModbenchError, match="params cannot change"):
+        tr.flush()
+    tr.log_metrics({"loss": 1.0}, step=0)  # not written after the error; no second raise
+    tr.end("FAILED")
+    assert client.get_run(tr.run_id).info.status == "FAILED"
+    assert client.get_metric_history(tr.run_id, "loss") == []
 
 
 def test_resume_appends_to_same_run(store, cwd):

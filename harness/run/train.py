@@ -290,7 +290,9 @@ def _open_tracker(run: _Run, tracker: RunTracker | None, tracking_uri: str | Non
     if not t.track:
         return NullTracker(), True
     uri = tracking_uri or resolve_tracking_uri()
-    return Tracker(t.experiment, run_name=run.run_dir.name, run_id=run.run_id, uri=uri), True
+    tracker = Tracker(t.experiment, run_name=run.run_dir.name, run_id=run.run_id, uri=uri)
+    # A new run: the store is checked now, MLflow opens it in the background while training starts.
+    return (tracker if run.run_id else tracker.start_in_background()), True
 
 
 def _log_start(run: _Run) -> None:

@@ -21,12 +21,14 @@ import logging
 import os
 import re
 import socket
+import queue
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from modbench.errors import ModbenchError, accepted, redact
 from modbench.track.provenance import environment_tags
@@ -243,7 +245,14 @@ class Tracker:
 
     Metrics are sent with ``MlflowClient.log_batch`` every ``flush_every`` calls of
     :meth:`log_metrics` (and at :meth:`flush`/:meth:`end`); ``seconds`` is the wall time
-    spent inside the tracker. Pass ``run_id`` to resume an existing run.
+    the caller spent inside the tracker (waiting for it included). Pass ``run_id`` to resume
+    an existing run.
+
+    :meth:`start` opens the store and creates the run before it returns. :meth:`start_in_background`
+    (what ``modbench train`` uses) checks the store in milliseconds, then imports MLflow, opens the
+    store, creates the run and does every write on one background thread, in call order, while
+    training runs: the caller only queues. :meth:`flush` and :meth:`end` wait for the queue; the
+    first error of the thread is raised by the next call.
     """
 
     def __init__(
@@ -272,11 +281,15 @@ class Tracker:
         self.experiment_id: str | None = None
         self._run_id = run_id
         self._client = None
-        self._buffer: list = []
+        self._buffer: list[tuple[str, float, int, int]] = []  # (key, value, timestamp ms, step)
         self._calls_since_flush = 0
         self._started = False
         self._ended = False
         self._depth = 0
+        self._jobs: queue.Queue | None = None  # the background thread's work, in call order
+        self._worker: threading.Thread | None = None
+        self._opened = threading.Event()
+        self._failure: BaseException | None = None  # the background thread's first error
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -296,9 +309,36 @@ class Tracker:
             raise RuntimeError("Tracker.start() has not been called")
         if self._ended:
             raise RuntimeError(f"MLflow run {self._run_id} has already ended")
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        """Raise the background thread's error once; it writes nothing more but ends the run."""
+        if self._failure is not None and self._failure is not _RAISED:
+            failure, self._failure = self._failure, _RAISED
+            raise failure
+
+    def _submit(self, job) -> None:
+        """Run ``job`` now, or queue it for the background thread."""
+        if self._jobs is None:
+            job()
+        else:
+            self._jobs.put(job)
+
+    def _drain(self) -> None:
+        """Wait until the background thread has done every queued job."""
+        if self._jobs is not None:
+            self._jobs.join()
+
+    def _wait_opened(self) -> None:
+        if self._worker is not None and not self._opened.is_set():
+            with self._timed():
+                self._opened.wait()
+        self._raise_failure()
 
     @property
     def run_id(self) -> str:
+        if self._worker is not None and self._started:
+            self._wait_opened()
         if self._run_id is None:
             raise RuntimeError("Tracker.start() has not been called")
         return self._run_id
@@ -307,6 +347,7 @@ class Tracker:
     def client(self):
         """The underlying ``MlflowClient`` (after :meth:`start`)."""
         self._require_started()
+        self._wait_opened()
         return self._client
 
     # ------------------------------------------------------------------ lifecycle
@@ -314,34 +355,75 @@ class Tracker:
     def start(self) -> "Tracker":
         """Open the store and create (or resume) the run. A store that refuses the write (read-only,
         full, locked) is one line here, before anything trains."""
-        from mlflow.exceptions import MlflowException
-
         if self._started:
             return self
+        with self._timed():
+            self._open()
+        self._started = True
+        return self
+
+    def start_in_background(self) -> "Tracker":
+        """Start a new run without waiting for MLflow: check now, without importing it, that the
+        store is reachable and (a SQLite file) writable, then import MLflow, open the store, create
+        the run and do every later write on a background thread (see the class doc). Resuming a
+        run, or a store this cannot check cheaply, starts in the foreground (:meth:`start`)."""
+        if self._started:
+            return self
+        if self._run_id is not None:
+            return self.start()
+        with self._timed():
+            if not _store_accepts_writes(self.uri):
+                return self.start()
+            self._jobs = queue.Queue()
+            self._worker = threading.Thread(target=self._work, name="modbench-tracker", daemon=True)
+            self._worker.start()
+        self._started = True
+        return self
+
+    def _work(self) -> None:
         try:
-            return self._start()
+            self._open()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's next call
+            self._failure = exc
+        finally:
+            self._opened.set()
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                if self._failure is None or getattr(job, "always", False):
+                    job()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's next call
+                if self._failure is None:
+                    self._failure = exc
+            finally:
+                self._jobs.task_done()
+
+    def _open(self) -> None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._start()
         except MlflowException as e:
             raise ModbenchError(f"the MLflow store {redact(self.uri)} refused to start a run ({_store_problem(e)}): "
                                 "check that it is writable and has space, or pass another --tracking-uri") from None
 
-    def _start(self) -> "Tracker":
-        with self._timed():
-            client = connect(self.uri)
-            tags = {**environment_tags(), **self.extra_tags}
-            if tags["git_sha"] != "unknown":  # shown by the MLflow UI
-                tags["mlflow.source.git.commit"] = tags["git_sha"].removesuffix("-dirty")
-            if self._run_id is not None:
-                self._resume(client, tags)
-            else:
-                self.experiment_id = _get_or_create_experiment(client, self.experiment, self.uri,
-                                                               self.experiment_description)
-                if self.parent_run_id:
-                    tags[PARENT_RUN_TAG] = self.parent_run_id
-                run = client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
-                self._run_id = run.info.run_id
-            self._client = client
-            self._started = True
-        return self
+    def _start(self) -> None:
+        client = connect(self.uri)
+        tags = {**environment_tags(), **self.extra_tags}
+        if tags["git_sha"] != "unknown":  # shown by the MLflow UI
+            tags["mlflow.source.git.commit"] = tags["git_sha"].removesuffix("-dirty")
+        if self._run_id is not None:
+            self._resume(client, tags)
+        else:
+            self.experiment_id = _get_or_create_experiment(client, self.experiment, self.uri,
+                                                           self.experiment_description)
+            if self.parent_run_id:
+                tags[PARENT_RUN_TAG] = self.parent_run_id
+            run = client.create_run(self.experiment_id, run_name=self.run_name, tags=tags)
+            self._run_id = run.info.run_id
+        self._client = client
 
     def _resume(self, client, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
@@ -374,12 +456,32 @@ class Tracker:
             return
         with self._timed():
             try:
-                if self._monitor is not None:
-                    self._monitor.finish()  # its last samples land before the run ends
-                self._flush()
+                try:
+                    self._flush()
+                finally:
+                    self._submit(_always(lambda: self._terminate(status)))
+                self._drain()
             finally:
                 self._ended = True
-                self._client.set_terminated(self._run_id, status=status)
+                if self._worker is not None:
+                    self._jobs.put(None)
+                    self._worker.join()
+        self._raise_failure()
+
+    def _terminate(self, status: str) -> None:
+        if self._client is None:  # the run was never created
+            return
+        try:
+            if self._monitor not in (None, True):
+                self._monitor.finish()  # its last samples land before the run ends
+                # MLflow's loop drops the samples of its last, unfinished interval, so a run
+                # shorter than one interval (or than the store's opening, in the background)
+                # would show no system metrics at all: publish what it collected, plus now.
+                self._monitor.collect_metrics()
+                self._monitor.publish_metrics(self._monitor.aggregate_metrics())
+                self._monitor.mlflow_logger.flush()
+        finally:
+            self._client.set_terminated(self._run_id, status=status)
 
     def __enter__(self) -> "Tracker":
         return self.start()
@@ -398,69 +500,85 @@ class Tracker:
         return False
 
     # ------------------------------------------------------------------ logging
+    # Each method checks and converts its arguments on the caller's thread, then hands the store
+    # work (MLflow imports included) to _submit: run now, or queued for the background thread.
 
     def log_params(self, params: dict[str, object]) -> None:
         if not params:
             return
+        self._require_started()
+        with self._timed():
+            items = [(str(k), redact(_param_value(v))) for k, v in params.items()]  # never a password
+            self._submit(lambda: self._write_params(items))
+
+    def _write_params(self, items: list[tuple[str, str]]) -> None:
         from mlflow.entities import Param
         from mlflow.exceptions import MlflowException
 
-        self._require_started()
-        with self._timed():
-            items = [Param(str(k), redact(_param_value(v))) for k, v in params.items()]  # never a password
-            for chunk in _chunks(items, MAX_PARAMS_PER_BATCH):
-                try:
-                    self._client.log_batch(self._run_id, params=chunk, synchronous=True)
-                except MlflowException as exc:
-                    if "Changing param values is not allowed" in str(exc):
-                        raise ModbenchError(
-                            f"MLflow run {self._run_id} already has different values for "
-                            "some of these params (params cannot change, e.g. on --resume "
-                            f"with another config): {_first_line(exc)}"
-                        ) from None
-                    raise
+        for chunk in _chunks([Param(k, v) for k, v in items], MAX_PARAMS_PER_BATCH):
+            try:
+                self._client.log_batch(self._run_id, params=chunk, synchronous=True)
+            except MlflowException as exc:
+                if "Changing param values is not allowed" in str(exc):
+                    raise ModbenchError(
+                        f"MLflow run {self._run_id} already has different values for "
+                        "some of these params (params cannot change, e.g. on --resume "
+                        f"with another config): {_first_line(exc)}"
+                    ) from None
+                raise
 
     def set_tags(self, tags: dict[str, str]) -> None:
         if not tags:
             return
-        from mlflow.entities import RunTag
-
         self._require_started()
         with self._timed():
-            items = [RunTag(str(k), redact(v)) for k, v in tags.items()]
-            for chunk in _chunks(items, MAX_TAGS_PER_BATCH):
-                self._client.log_batch(self._run_id, tags=chunk, synchronous=True)
+            items = [(str(k), redact(v)) for k, v in tags.items()]
+            self._submit(lambda: self._write_tags(items))
+
+    def _write_tags(self, items: list[tuple[str, str]]) -> None:
+        from mlflow.entities import RunTag
+
+        for chunk in _chunks([RunTag(k, v) for k, v in items], MAX_TAGS_PER_BATCH):
+            self._client.log_batch(self._run_id, tags=chunk, synchronous=True)
 
     def log_dataset(self, name: str, digest: str, source: str, context: str) -> None:
         """Record the dataset as a run input (MLflow's dataset tracking, the run's *Datasets*
         column): ``source`` is a URL, or a description for data made on the machine."""
-        from mlflow.entities import Dataset, DatasetInput, InputTag
-
         self._require_started()
         kind = "http" if source.startswith(("http://", "https://")) else "code"
         payload = json.dumps({"url": source} if kind == "http" else {"tags": {"origin": source}})
-        with self._timed():
+
+        def write() -> None:
+            from mlflow.entities import Dataset, DatasetInput, InputTag
+
             dataset = Dataset(name=name[:500], digest=digest[:36], source_type=kind, source=redact(payload))
             self._client.log_inputs(self._run_id, [DatasetInput(dataset, [InputTag("mlflow.data.context", context)])])
+
+        with self._timed():
+            self._submit(write)
 
     def monitor_system(self, interval_s: float) -> None:
         """Log CPU, memory (and GPU, when MLflow can see one) every ``interval_s`` seconds with
         MLflow's own system-metrics monitor (the run's *System metrics* tab), until ``end``."""
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
         self._require_started()
         if interval_s <= 0 or self._monitor is not None:
             return
-        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop lines are noise
+
+        def begin() -> None:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # its start/stop lines are noise
+            monitor = SystemMetricsMonitor(self._run_id, sampling_interval=interval_s, tracking_uri=self.uri)
+            monitor.start()
+            self._monitor = monitor
+
         with self._timed():
-            self._monitor = SystemMetricsMonitor(self._run_id, sampling_interval=interval_s, tracking_uri=self.uri)
-            self._monitor.start()
+            self._monitor = True  # a placeholder until it runs: a second call starts no other monitor
+            self._submit(begin)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Buffer ``metrics`` at ``step``; None values are dropped, tensors and numpy
         scalars become floats, NaN/inf are kept (a diverging run stays visible)."""
-        from mlflow.entities import Metric
-
         self._require_started()
         with self._timed():
             timestamp = int(time.time() * 1000)
@@ -468,7 +586,7 @@ class Tracker:
             for key, value in metrics.items():
                 if value is None:
                     continue
-                self._buffer.append(Metric(str(key), _to_float(value), timestamp, step))
+                self._buffer.append((str(key), _to_float(value), timestamp, step))
             self._calls_since_flush += 1
             if (
                 self._calls_since_flush >= self.flush_every
@@ -477,57 +595,131 @@ class Tracker:
                 self._flush()
 
     def flush(self) -> None:
+        """Send the buffered metrics and wait until every earlier call has reached the store."""
         if not self._started or self._ended:
             return
         with self._timed():
             self._flush()
+            self._drain()
+        self._raise_failure()
 
     def _flush(self) -> None:
-        from mlflow.entities import RunTag
-
         self._calls_since_flush = 0
-        heartbeat = [RunTag(HEARTBEAT_TAG, f"{time.time():.3f}")]
         if not self._buffer:
             return
-        while self._buffer:
-            chunk = self._buffer[:MAX_METRICS_PER_BATCH]
-            self._client.log_batch(self._run_id, metrics=chunk, tags=heartbeat, synchronous=True)
-            del self._buffer[: len(chunk)]
+        heartbeat = f"{time.time():.3f}"
+        if self._jobs is None:  # in the foreground a failed batch stays buffered for the next flush
+            while self._buffer:
+                chunk = self._buffer[:MAX_METRICS_PER_BATCH]
+                self._write_metrics(chunk, heartbeat)
+                del self._buffer[: len(chunk)]
+            return
+        pending, self._buffer = self._buffer, []
+        self._jobs.put(lambda: self._write_metrics(pending, heartbeat))
+
+    def _write_metrics(self, pending: list[tuple[str, float, int, int]], heartbeat: str) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        metrics = [Metric(*m) for m in pending]
+        for chunk in _chunks(metrics, MAX_METRICS_PER_BATCH):
+            self._client.log_batch(self._run_id, metrics=chunk, tags=[RunTag(HEARTBEAT_TAG, heartbeat)],
+                                   synchronous=True)
 
     def log_dict(self, obj: dict, artifact_file: str) -> None:
         """Write ``obj`` as JSON, or YAML when ``artifact_file`` ends in .yaml/.yml;
         values JSON cannot encode (paths, dtypes, ...) are written as strings."""
         self._require_started()
         with self._timed():
-            plain = json.loads(json.dumps(obj, default=str))
-            name = Path(artifact_file).name
-            with tempfile.TemporaryDirectory(prefix="modbench-artifact-") as tmp:
-                path = Path(tmp) / name
-                if name.endswith((".yaml", ".yml")):
-                    import yaml
+            plain = json.loads(json.dumps(obj, default=str))  # a copy: later changes to obj are not logged
+            self._submit(lambda: self._write_dict(plain, artifact_file))
 
-                    path.write_text(yaml.safe_dump(plain, sort_keys=False))
-                else:
-                    path.write_text(json.dumps(plain, indent=2) + "\n")
-                self._client.log_artifact(self._run_id, str(path), _artifact_dir(artifact_file))
+    def _write_dict(self, plain: dict, artifact_file: str) -> None:
+        name = Path(artifact_file).name
+        with tempfile.TemporaryDirectory(prefix="modbench-artifact-") as tmp:
+            path = Path(tmp) / name
+            if name.endswith((".yaml", ".yml")):
+                import yaml
+
+                path.write_text(yaml.safe_dump(plain, sort_keys=False))
+            else:
+                path.write_text(json.dumps(plain, indent=2) + "\n")
+            self._client.log_artifact(self._run_id, str(path), _artifact_dir(artifact_file))
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
-        """Log a file, or every file under a directory."""
+        """Log a file, or every file under a directory (as it is when the store receives it:
+        in the background, when the store is written; the caller leaves it in place)."""
         self._require_started()
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"artifact to log does not exist: {path}")
-        with self._timed():
+
+        def write() -> None:
             if path.is_dir():
                 self._client.log_artifacts(self._run_id, str(path), artifact_path)
             else:
                 self._client.log_artifact(self._run_id, str(path), artifact_path)
 
+        with self._timed():
+            self._submit(write)
+
     def log_figure(self, fig, artifact_file: str) -> None:
-        """Log a matplotlib figure (saved in the format its extension names)."""
+        """Log a matplotlib figure (saved in the format its extension names), now: the caller
+        may change or close the figure afterwards."""
         self._require_started()
         with self._timed():
+            self._wait_opened()
+            self._drain()  # in call order
             self._client.log_figure(self._run_id, fig, artifact_file)
+
+
+class _Raised(Exception):
+    """Stands for a background error already raised to the caller: later jobs are skipped."""
+
+
+_RAISED = _Raised()
+
+
+def _always(job):
+    """Mark ``job`` to run on the background thread even after an error (ending the run)."""
+    job.always = True
+    return job
+
+
+def _store_accepts_writes(uri: str) -> bool:
+    """Whether the store was checked, in milliseconds and without importing MLflow: a server or
+    database answers connections, a SQLite file (or its directory, for a new one) takes writes.
+    ModbenchError when it refuses; False for a store this does not check (start it in the foreground)."""
+    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower()
+    if scheme in _NETWORK_DEFAULT_PORTS:
+        _check_network_store(uri)
+        return True
+    db = sqlite_db_path(uri)
+    if db is None or "?" in uri or uri[len("sqlite:///"):].startswith("file:"):
+        return False  # in-memory, URI filenames, options: MLflow's own open says what is wrong
+    import sqlite3
+
+    def refused(reason: str) -> ModbenchError:
+        return ModbenchError(f"the MLflow store {redact(uri)} refused to start a run ({reason}): "
+                             "check that it is writable and has space, or pass another --tracking-uri")
+
+    if not db.exists():
+        if not db.parent.is_dir():
+            raise _unreachable(uri, f"unable to open database file: {db.parent} is not a directory")
+        if not os.access(db.parent, os.W_OK | os.X_OK):
+            raise refused(f"{db.parent} is not writable")
+        return True
+    try:
+        con = sqlite3.connect(f"file:{quote(db.as_posix())}?mode=rw", uri=True, timeout=_CONNECT_TIMEOUT_S)
+    except sqlite3.Error as exc:
+        raise _unreachable(uri, str(exc)) from None
+    try:
+        (version,) = con.execute("PRAGMA user_version").fetchone()
+        con.execute(f"PRAGMA user_version = {int(version)}")  # a write that changes nothing
+    except sqlite3.Error as exc:
+        raise refused(str(exc)) from None
+    finally:
+        con.close()
+    return True
 
 
 def _artifact_dir(artifact_file: str) -> str | None:
