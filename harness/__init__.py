@@ -15,6 +15,7 @@ fails on a cycle or an upward edge):
     variants routers and their registry (``from modbench.variants import register_variant``)
     results  the declared metrics (``val/bpb``: unit, direction) and a run's record
     errors   ``ModbenchError``: a user's mistake, one line, exit 2
+    interrupts  Ctrl-C/SIGTERM as a request acted on at safe points (training steps, trials)
 
 In the source tree ``harness/`` holds the ``modbench`` package and ``variants/`` its
 ``modbench.variants`` sub-package (a setuptools ``package-dir`` mapping), and ``studies/``

@@ -23,17 +23,19 @@ SOURCE_DIRS = {"modbench": REPO / "harness", "modbench.variants": REPO / "varian
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "progress": set(),
+    "interrupts": set(),
     "results": {"errors"},
     "variants": {"errors"},
     "data": {"errors"},
     "config": {"errors", "results", "variants", "data"},
     "model": {"errors", "config", "variants"},
     "track": {"errors", "results", "config"},
-    "run": {"errors", "results", "config", "data", "variants", "model", "track", "progress"},
+    "run": {"errors", "results", "config", "data", "variants", "model", "track", "progress", "interrupts"},
     "bench": {"errors", "config", "variants", "model"},
     "report": {"errors", "results", "config", "data", "variants", "model", "track"},
-    "study": {"errors", "results", "config", "data", "model", "run", "track", "progress"},
-    "cli": {"errors", "results", "config", "data", "variants", "model", "track", "run", "bench", "report", "study", "progress"},
+    "study": {"errors", "results", "config", "data", "model", "run", "track", "progress", "interrupts"},
+    "cli": {"errors", "results", "config", "data", "variants", "model", "track", "run", "bench", "report", "study", "progress",
+            "interrupts"},
 }
 
 
