@@ -184,6 +184,22 @@ def test_learned_is_compared_with_its_own_random_control():
     assert found[0].verdict.startswith("supported") and "random better" in found[0].detail
 
 
+def test_each_method_is_compared_with_sigmoid_in_one_holm_family():
+    """C4: every other learned variant against sigmoid at the same capacity, pattern and LR; the
+    controls and dense are not methods; the estimate is the paired test difference."""
+    df = frame([("sigmoid", "sigmoid", "", 1.0, 2.40, 2.40), ("token_choice", "token_choice", "", 1.0, 2.50, 2.50),
+                ("mode_staged", "mode_staged", "", 1.0, 2.40, 2.40), ("random_gated", "random_gated", "", 1.0, 2.6, 2.6),
+                ("dense", "dense", "", 1.0, 2.7, 2.7), ("sigmoid x2", "sigmoid", "", 2.0, 2.3, 2.3)])
+    found, eff = claims.methods_vs_sigmoid(df)
+    assert list(zip(eff["arm"], eff["reference"])) == [("token_choice", "sigmoid"), ("mode_staged", "sigmoid")]
+    assert [c.id for c in found] == ["C4a", "C4b"] and (eff["correction"] == "holm").all()
+    test = df.groupby("arm")["test/causal_bpb"].mean()
+    assert found[0].estimate == pytest.approx(test["token_choice"] - test["sigmoid"])
+    assert found[0].verdict.startswith("reversed: sigmoid is better")
+    assert not found[1].verdict.startswith(("supported", "reversed"))  # equal means: no verdict either way
+    assert [claims._letters(i) for i in (0, 25, 26, 27)] == ["a", "z", "aa", "ab"]
+
+
 # --- end to end: a tiny study, its report and summary.json ----------------------------------------
 def test_claims_report_end_to_end(tmp_cwd):
     path = write(tmp_cwd)

@@ -16,7 +16,7 @@
                                  #     tokens as the routed arm (more FLOPs; flops budgets only)
     claims = []                  # claims the report tests, with verdicts and summary.json
                                  # (modbench.report.claims): "mod_vs_best_dense",
-                                 # "learned_vs_random", "causal_rule"
+                                 # "learned_vs_random", "causal_rule", "methods_vs_sigmoid"
 
     [model]  …                   # ModelConfig fields, shared by every arm
     [train]  …                   # TrainConfig fields (dataset, budget, seq_len, …)
@@ -75,7 +75,7 @@ SPACE_DEFAULTS: dict[str, list[Any]] = {
     "lr_mult": [1.0], "depth": [], "budget": [], "width": [0], "capacity_first": [0.0],
 }
 CONTROLS = ("matched_dense", "iso_token_dense")
-CLAIMS = ("mod_vs_best_dense", "learned_vs_random", "causal_rule")  # see modbench.report.claims
+CLAIMS = ("mod_vs_best_dense", "learned_vs_random", "causal_rule", "methods_vs_sigmoid")  # see modbench.report.claims
 TOP_KEYS = ("study", "model", "train", "options", "space")
 
 

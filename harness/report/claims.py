@@ -16,6 +16,9 @@ Claim kinds (ids C1, C2, C3a/C3b in the order the study lists them):
 - ``causal_rule``: the causal rule as a predictor of top-k membership, agreement minus its
   chance level (an independent rule with the same marginals), with precision and recall
   (C3a); and the causal − top-k gap (C3b).
+- ``methods_vs_sigmoid``: every other learned variant against the ``sigmoid`` recipe at the
+  same capacity, pattern and learning rate (C4a, C4b, … in the order the study lists them),
+  one family: does a method of the later literature route better than the seed recipe?
 
 Differences are arm − reference over seeds (``modbench.report.effects``): paired by seed when
 both arms ran the same seeds (a seed fixes the data order), Holm-corrected within each
@@ -42,6 +45,7 @@ SELECT = "val/causal_bpb"  # what "best" is chosen on
 ALPHA = 0.05
 RANDOM_CONTROL = {"sigmoid": "random_gated", "norm": "random", "mlp_skip": "random_mlp"}
 CONTROL_VARIANTS = ("random", "random_gated", "random_mlp")
+METHODS_REFERENCE = "sigmoid"  # the seed recipe the later methods are measured against (C4)
 
 
 @dataclass(frozen=True)
@@ -200,8 +204,43 @@ def causal_rule(done: pd.DataFrame) -> tuple[list[Claim], pd.DataFrame]:
     return claims, table
 
 
+def methods_vs_sigmoid(done: pd.DataFrame) -> tuple[list[Claim], pd.DataFrame]:
+    plain = done[_plain(done)]
+    reference = plain[plain["variant"] == METHODS_REFERENCE]
+    pairs = []
+    for variant in _learned(done):
+        if variant == METHODS_REFERENCE:
+            continue
+        for _, arm in plain[plain["variant"] == variant].drop_duplicates("arm").iterrows():
+            match = reference[(reference["capacity"] == arm["capacity"]) & (reference["pattern"] == arm["pattern"])
+                              & (reference["lr_mult"] == arm["lr_mult"])]
+            if len(match):
+                pairs.append((arm["arm"], match["arm"].iloc[0]))
+    if not pairs:
+        return [], pd.DataFrame()
+    eff = compare_effects(done, HEADLINE, pairs).assign(claim="C4")
+    found = []
+    for i, (_, row) in enumerate(eff.iterrows()):
+        found.append(Claim(
+            f"C4{_letters(i)}", f"{row['arm']} has lower test causal bpb than {row['reference']}",
+            _verdict(row, "supported: the method is better", f"reversed: {METHODS_REFERENCE} is better"),
+            _clean(row["estimate"]), _clean(row["ci_low"]), _clean(row["ci_high"]), int(min(row["n_arm"], row["n_ref"])),
+            f"Δ = method − {METHODS_REFERENCE}, {row['method']}, Holm over {len(eff)} comparisons"))
+    return found, eff
+
+
+def _letters(i: int) -> str:
+    """a, b, …, z, aa, ab, …: sub-ids of a claim family."""
+    out = ""
+    i += 1
+    while i:
+        i, r = divmod(i - 1, 26)
+        out = chr(ord("a") + r) + out
+    return out
+
+
 CLAIM_FUNCTIONS = {"mod_vs_best_dense": mod_vs_best_dense, "learned_vs_random": learned_vs_random,
-                   "causal_rule": causal_rule}
+                   "causal_rule": causal_rule, "methods_vs_sigmoid": methods_vs_sigmoid}
 
 
 def _fmt(x) -> str:
