@@ -51,6 +51,7 @@ class Routing:
     aux_losses: dict[str, Tensor]
     stats: dict[str, Tensor]
     valid: Tensor | None = None
+    skip_scale: Tensor | None = None  # (B, T) multiplier on skipped tokens' residual (p-MoD's STRing), fixed k only
 
     def processed(self, seq_len: int) -> Tensor:
         """(B, T) bool: the positions this layer processes."""
@@ -165,6 +166,10 @@ class Router(nn.Module):
     def skip_scale(self, x: Tensor) -> Tensor | None:
         """(B, T) multiplier on the residual stream of tokens this layer skips, or None (skipped
         tokens pass through bit-identical). Only p-MoD's STRing scales them."""
+        return self.skip_scale_of(self.score(x))
+
+    def skip_scale_of(self, scores: Tensor) -> Tensor | None:
+        """:meth:`skip_scale` from scores already computed (the top-k forward reuses its own)."""
         return None
 
     def tokens_run(self, k: int, seq_len: int) -> int:
@@ -213,7 +218,7 @@ class Router(nn.Module):
         stats = self.routing_stats(scores, index) if self.collect_stats else {}
         if self.collect_stats and self.collect_causal:
             stats["causal_decide"] = self.decide_causal_given(x, previous)
-        return Routing(index=index, weight=weight, aux_losses=aux, stats=stats)
+        return Routing(index=index, weight=weight, aux_losses=aux, stats=stats, skip_scale=self.skip_scale_of(scores))
 
     @torch.no_grad()
     def routing_stats(self, scores: Tensor, index: Tensor, n_buckets: int = 8) -> dict[str, Tensor]:

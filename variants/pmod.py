@@ -60,8 +60,8 @@ class PModRouter(Router):
     def mix_weight(self, selected_scores: Tensor, scores: Tensor) -> Tensor:
         return self.tanh_norm(selected_scores)
 
-    def skip_scale(self, x: Tensor) -> Tensor | None:
-        return self.tanh_norm(self.scorer(x)) if self.config.string else None
+    def skip_scale_of(self, scores: Tensor) -> Tensor | None:
+        return self.tanh_norm(scores) if self.config.string else None
 
     def aux_losses(self, x: Tensor, scores: Tensor, index: Tensor) -> dict[str, Tensor]:
         if self.config.aux_weight == 0:

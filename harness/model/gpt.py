@@ -337,11 +337,13 @@ class RoutedBlock(nn.Module):
         if r.weight is not None:
             delta = delta * r.weight.to(delta.dtype)
         # Under autocast the delta leaves the linears in bf16 while the residual stream stays fp32.
-        out = flat.index_add(0, rows, delta.reshape(B * k, d).to(flat.dtype)).view(B, T, d)
+        delta = delta.reshape(B * k, d).to(flat.dtype)
+        if r.skip_scale is None:
+            out = flat.index_add(0, rows, delta).view(B, T, d)
+        else:  # p-MoD's STRing: every row starts as w·x, then the processed rows become x + w·Δ
+            scaled = (x * r.skip_scale.unsqueeze(-1).to(x.dtype)).reshape(B * T, d)
+            out = scaled.index_copy(0, rows, xs.reshape(B * k, d) + delta).view(B, T, d)
         processed = r.processed(T)
-        scale = self.router.skip_scale(x)
-        if scale is not None:  # p-MoD's STRing: skipped tokens are scaled by their weight too
-            out = torch.where(processed.unsqueeze(-1), out, x * scale.unsqueeze(-1).to(x.dtype))
         stats = dict(r.stats, layer_index=r.index, layer_processed=processed) if self.router.collect_stats else r.stats
         aux = r.aux_losses
         if isinstance(self.block.mlp, TopOneMoE) and self.training:
