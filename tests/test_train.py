@@ -163,6 +163,9 @@ def test_mlflow_run_has_params_step_metrics_and_artifacts(tmp_cwd, monkeypatch):
     # MLflow's own system-metrics monitor sampled the run (CPU and memory)
     system = set(client.get_run(result.run_id).data.metrics)
     assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= system
+    # the overhead is measured after the artifacts are written (their waits count) and is the one logged
+    (overhead,) = client.get_metric_history(result.run_id, "perf/logging_overhead")
+    assert overhead.value == result.logging_overhead and 0 < overhead.value < 1
 
 
 def test_cli_config_file_and_flags(tmp_cwd, capsys):

@@ -434,15 +434,20 @@ def _finish(run: _Run) -> TrainResult:
                     hard_labels=test_hard, modes=True)
     tokens_done = run.step * run.tokens_per_step
     tokens_per_s = (run.step - run.start_step) * run.tokens_per_step / max(run.train_seconds, 1e-9)
-    wall = time.perf_counter() - run.run_start - run.elapsed_before
-    overhead = run.tracker.seconds / max(wall, 1e-9)
     final = {**{f"val/{k}": v for k, v in val.items()}, **{f"test/{k}": v for k, v in test.items()},
-             "perf/train_tokens_per_s": tokens_per_s, "perf/logging_overhead": overhead,
+             "perf/train_tokens_per_s": tokens_per_s,
              "perf/total_flops": cumulative_flops(run), "perf/flops_per_token": run.flops_per_token}
     run.tracker.log_metrics(final, run.step)
     log_routing_heatmap(run.model, val_x, run.device, run.tracker, run.run_dir, run.routed_ids)
     _save(run)
     checkpoint = _publish_checkpoint(run)
+    run.tracker.flush()
+    # Measured last, after the artifacts are written and the queue drained, so the waits for
+    # them count; only this one metric and the run's end come after it.
+    wall = time.perf_counter() - run.run_start - run.elapsed_before
+    overhead = run.tracker.seconds / max(wall, 1e-9)
+    final["perf/logging_overhead"] = overhead
+    run.tracker.log_metrics({"perf/logging_overhead": overhead}, run.step)
     run.tracker.flush()
     record = RunRecord(run.tracker.run_id, "FINISHED", run.cfg.to_dict(), declared(final), run.step, tokens_done,
                        checkpoint)
