@@ -190,19 +190,3 @@ def test_figures_write_png_and_pdf(tmp_path):
                            for a, v, c in (("dense", "dense", 1.0), ("dense L2", "dense", 1.0), ("sigmoid C=0.125", "sigmoid", 0.125),
                                            ("sigmoid C=0.5", "sigmoid", 0.5)) for s in range(4)])
     assert small_multiples(curves, tmp_path / "curves.png").with_suffix(".pdf").exists()
-
-
-def test_every_variant_gets_its_own_colour_and_no_learned_variant_is_grey():
-    """One colour per variant in every figure: all registered variants at once stay distinct, and
-    grey stays the random controls'."""
-    from matplotlib.colors import to_rgb
-
-    from modbench import variants
-    from modbench.report.figures import variant_colors
-
-    names = variants.list_variants()
-    colors = {v: to_rgb(c) for v, c in variant_colors(names).items()}
-    assert set(colors) == set(names) and len(set(colors.values())) == len(names)
-    for v, (r, g, b) in colors.items():
-        is_grey = max(r, g, b) - min(r, g, b) < 0.05
-        assert is_grey == (v == "dense" or v.startswith("random")), v

@@ -128,3 +128,21 @@ def test_the_reproduce_line_holds_no_machine_path(tmp_path, monkeypatch):
     assert str(tmp_path) not in line
     assert line == ("modbench report study.toml --reports-dir out --storage sqlite:///runs/optuna.db "
                     "--tracking-uri sqlite:///mlflow.db")
+
+
+# The registry needs torch, so this lives here and not in test_effects.py (which the
+# minimum-versions CI job runs without torch).
+def test_every_variant_gets_its_own_colour_and_no_learned_variant_is_grey():
+    """One colour per variant in every figure: all registered variants at once stay distinct, and
+    grey stays the random controls'."""
+    from matplotlib.colors import to_rgb
+
+    from modbench import variants
+    from modbench.report.figures import variant_colors
+
+    names = variants.list_variants()
+    colors = {v: to_rgb(c) for v, c in variant_colors(names).items()}
+    assert set(colors) == set(names) and len(set(colors.values())) == len(names)
+    for v, (r, g, b) in colors.items():
+        is_grey = max(r, g, b) - min(r, g, b) < 0.05
+        assert is_grey == (v == "dense" or v.startswith("random")), v
