@@ -101,6 +101,18 @@ def _verdict(row: pd.Series, better: str, worse: str) -> str:
     return f"not supported: no difference detected (Holm p = {row['p_adj']:.2g}){mde}"
 
 
+def _same_setting_pairs(plain: pd.DataFrame, variant: str, reference: str) -> list[tuple[str, str]]:
+    """(arm, reference arm) for each arm of ``variant`` and the ``reference`` variant's arm at the
+    same capacity, pattern and learning rate."""
+    pairs = []
+    for _, arm in plain[plain["variant"] == variant].drop_duplicates("arm").iterrows():
+        match = plain[(plain["variant"] == reference) & (plain["capacity"] == arm["capacity"])
+                      & (plain["pattern"] == arm["pattern"]) & (plain["lr_mult"] == arm["lr_mult"])]
+        if len(match):
+            pairs.append((arm["arm"], match["arm"].iloc[0]))
+    return pairs
+
+
 def mod_vs_best_dense(done: pd.DataFrame) -> tuple[list[Claim], pd.DataFrame]:
     dense_best = _best(done, (done["variant"] == "dense") & _plain(done))
     pairs, primary = [], []
@@ -134,11 +146,7 @@ def learned_vs_random(done: pd.DataFrame) -> tuple[list[Claim], pd.DataFrame]:
         control = RANDOM_CONTROL.get(variant)
         if control is None:
             continue
-        for _, arm in plain[plain["variant"] == variant].drop_duplicates("arm").iterrows():
-            match = plain[(plain["variant"] == control) & (plain["capacity"] == arm["capacity"])
-                          & (plain["pattern"] == arm["pattern"]) & (plain["lr_mult"] == arm["lr_mult"])]
-            if len(match):
-                pairs.append((arm["arm"], match["arm"].iloc[0]))
+        pairs += _same_setting_pairs(plain, variant, control)
     if not pairs:
         return [], pd.DataFrame()
     eff = compare_effects(done, HEADLINE, pairs).assign(claim="C2")
@@ -206,16 +214,8 @@ def causal_rule(done: pd.DataFrame) -> tuple[list[Claim], pd.DataFrame]:
 
 def methods_vs_sigmoid(done: pd.DataFrame) -> tuple[list[Claim], pd.DataFrame]:
     plain = done[_plain(done)]
-    reference = plain[plain["variant"] == METHODS_REFERENCE]
-    pairs = []
-    for variant in _learned(done):
-        if variant == METHODS_REFERENCE:
-            continue
-        for _, arm in plain[plain["variant"] == variant].drop_duplicates("arm").iterrows():
-            match = reference[(reference["capacity"] == arm["capacity"]) & (reference["pattern"] == arm["pattern"])
-                              & (reference["lr_mult"] == arm["lr_mult"])]
-            if len(match):
-                pairs.append((arm["arm"], match["arm"].iloc[0]))
+    pairs = [p for variant in _learned(done) if variant != METHODS_REFERENCE
+             for p in _same_setting_pairs(plain, variant, METHODS_REFERENCE)]
     if not pairs:
         return [], pd.DataFrame()
     eff = compare_effects(done, HEADLINE, pairs).assign(claim="C4")

@@ -447,8 +447,7 @@ def _finish(run: _Run) -> TrainResult:
     wall = time.perf_counter() - run.run_start - run.elapsed_before
     overhead = run.tracker.seconds / max(wall, 1e-9)
     final["perf/logging_overhead"] = overhead
-    run.tracker.log_metrics({"perf/logging_overhead": overhead}, run.step)
-    run.tracker.flush()
+    run.tracker.log_metrics({"perf/logging_overhead": overhead}, run.step)  # sent by the tracker's end
     record = RunRecord(run.tracker.run_id, "FINISHED", run.cfg.to_dict(), declared(final), run.step, tokens_done,
                        checkpoint)
     return TrainResult(record=record, 
