@@ -6,6 +6,7 @@ import math
 import os
 import socket
 import struct
+import tempfile
 from pathlib import Path
 
 import mlflow
@@ -19,13 +20,15 @@ from modbench.track import tracking
 from modbench.errors import ModbenchError
 from modbench.track.provenance import environment_tags
 from modbench.run.heatmap import routing_heatmap, routing_heatmap_figure, routing_mask
+from modbench.track import background
+from modbench.track.background import TrackerProcess, TrackerProcessError
+from modbench.track.store import resolve_tracking_uri
 from modbench.track.tracking import (
     HEARTBEAT_TAG,
     PARENT_RUN_TAG,
     NullTracker,
     Tracker,
     fail_stale_runs,
-    resolve_tracking_uri,
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -302,40 +305,78 @@ def test_seconds_accumulates_and_store_calls_are_batched(store, cwd, monkeypatch
     assert tr.seconds > after_start
 
 
-def test_background_start_logs_everything_in_order(store, cwd):
-    """start_in_background: the caller only queues; the run, once ended, holds every param, tag,
-    metric point, dataset and artifact, as with start()."""
-    tr = Tracker("background", run_name="bg", uri=store, tags={"variant": "mod"}, flush_every=3).start_in_background()
-    assert tr._worker is not None  # a plain SQLite file is checked cheaply, so it opens in the background
+def test_the_tracker_process_logs_everything_in_order(store, cwd):
+    """TrackerProcess: this process only sends; the run, once ended, holds every param, tag,
+    metric point, dataset, figure and artifact, as with a Tracker, and the process has exited."""
+    tr = TrackerProcess("background", run_name="bg", uri=store, tags={"variant": "mod"}, flush_every=3).start()
+    assert tr.alive and tr.pid != os.getpid()
     tr.log_params({"lr": 0.001, "depth": 4})
     tr.set_tags({"dataset": "arithmetic"})
     tr.log_dataset("arithmetic(seed=0)", "abc123", "made on the machine", "training")
     tr.monitor_system(0)
     for step in range(10):
-        tr.log_metrics({"loss": float(step)}, step=step)
+        tr.log_metrics({"loss": torch.tensor(float(step)), "skipped": None}, step=step)
     tr.log_dict({"a": 1}, "config.json")
+    tr.log_figure(routing_heatmap_figure([np.array([1, 2])], 8), "routing/fig.png")
     (cwd / "ckpt.pt").write_bytes(b"weights")
     tr.log_artifact(cwd / "ckpt.pt", "checkpoint")
     run_id = tr.run_id  # waits for the run to exist
     tr.flush()  # waits for the store
     client = MlflowClient(tracking_uri=store)
     assert [m.step for m in history(client, run_id, "loss")] == list(range(10))
+    assert [m.value for m in history(client, run_id, "loss")] == [float(s) for s in range(10)]
     tr.end()
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "bg"
     assert run.data.params == {"lr": "0.001", "depth": "4"}
     assert run.data.tags["variant"] == "mod" and run.data.tags["dataset"] == "arithmetic"
+    assert "skipped" not in run.data.metrics
     assert run.inputs.dataset_inputs[0].dataset.name == "arithmetic(seed=0)"
-    assert {a.path for a in client.list_artifacts(run_id)} == {"checkpoint", "config.json"}
-    assert not tr._worker.is_alive()
+    assert {a.path for a in client.list_artifacts(run_id)} == {"checkpoint", "config.json", "routing"}
+    assert [a.path for a in client.list_artifacts(run_id, "routing")] == ["routing/fig.png"]
+    assert not tr.alive  # the process exits with the run
+    assert not list(Path(tempfile.gettempdir()).glob("modbench-figure-*"))  # the figure's copy is gone
+
+
+def test_a_prewarmed_tracker_process_is_taken_over_and_an_unused_one_stopped(store, cwd):
+    """modbench starts the process before it imports torch; the run takes that process over."""
+    background.prewarm(store)
+    warm = background._prewarmed.proc
+    tr = TrackerProcess("prewarm", uri=store).start()
+    assert tr.pid == warm.pid and background._prewarmed is None
+    tr.end()
+    assert MlflowClient(tracking_uri=store).get_run(tr.run_id).info.status == "FINISHED"
+    background.prewarm(store)  # a command that fails before its run starts
+    unused = background._prewarmed.proc
+    background.discard_prewarmed()
+    assert unused.poll() is not None
+
+
+def test_a_tracker_process_that_loses_its_parent_ends_the_run_failed(store, cwd):
+    """The parent dies (its end of the pipe closes) before ending the run: the run is not left RUNNING."""
+    tr = TrackerProcess("orphan", uri=store).start()
+    tr.log_metrics({"loss": 1.0}, step=0)
+    run_id = tr.run_id
+    tr._child.proc.stdin.close()  # what the parent's death does
+    assert tr._child.proc.wait(timeout=120) == 0
+    assert MlflowClient(tracking_uri=store).get_run(run_id).info.status == "FAILED"
+
+
+def test_a_dead_tracker_process_is_one_error_not_a_broken_pipe(store, cwd):
+    tr = TrackerProcess("dead", uri=store).start()
+    tr._child.proc.kill()
+    tr._child.proc.wait()
+    with pytest.raises(TrackerProcessError, match="tracker process has stopped"):
+        for step in range(10_000):  # the first sends may still fit in the pipe's buffer
+            tr.log_metrics({"loss": 1.0}, step=step)
+        tr.flush()
 
 
 @pytest.mark.parametrize("background", [False, True])
 def test_a_run_shorter_than_one_sampling_interval_still_has_system_metrics(store, cwd, background):
     """MLflow's monitor logs a sample only after a whole interval; the run ends long before 60 s
     (and, in the background, maybe before the monitor has started): its samples still land."""
-    tr = Tracker("sysmetrics", uri=store)
-    tr = tr.start_in_background() if background else tr.start()
+    tr = (TrackerProcess if background else Tracker)("sysmetrics", uri=store).start()
     tr.monitor_system(60)
     tr.log_metrics({"loss": 1.0}, step=0)
     run_id = tr.run_id
@@ -344,10 +385,10 @@ def test_a_run_shorter_than_one_sampling_interval_still_has_system_metrics(store
     assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(logged)
 
 
-def test_background_start_refuses_a_store_it_cannot_write_at_once(tmp_path):
-    """The check start_in_background makes before training (no MLflow import): one line now."""
+def test_the_tracker_process_refuses_a_store_it_cannot_write_at_once(tmp_path):
+    """The check TrackerProcess.start makes before training (no MLflow import): one line now."""
     with pytest.raises(ModbenchError, match="cannot reach MLflow tracking store"):
-        Tracker("x", uri=f"sqlite:///{tmp_path / 'missing' / 'mlflow.db'}").start_in_background()
+        TrackerProcess("x", uri=f"sqlite:///{tmp_path / 'missing' / 'mlflow.db'}").start()
     db = tmp_path / "ro" / "mlflow.db"
     db.parent.mkdir()
     uri = f"sqlite:///{db}"
@@ -357,15 +398,15 @@ def test_background_start_refuses_a_store_it_cannot_write_at_once(tmp_path):
         if os.access(db, os.W_OK):
             pytest.skip("running as a user who may write read-only files")
         with pytest.raises(ModbenchError, match="refused to start a run .*readonly"):
-            Tracker("x", uri=uri).start_in_background()
+            TrackerProcess("x", uri=uri).start()
     finally:
         db.chmod(0o644)
 
 
-def test_background_errors_reach_the_caller_and_the_run_still_ends(store, cwd):
+def test_tracker_process_errors_reach_the_caller_and_the_run_still_ends(store, cwd):
     with Tracker("bgerr", uri=store) as first:
         first.log_params({"lr": 0.001})
-    tr = Tracker("bgerr", uri=store).start_in_background()
+    tr = TrackerProcess("bgerr", uri=store).start()
     tr.log_params({"lr": 0.001})
     tr.flush()
     client = MlflowClient(tracking_uri=store)
@@ -469,6 +510,18 @@ def test_tracking_module_imports_mlflow_lazily():
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+def test_the_command_line_starts_the_tracker_process_before_it_imports_torch():
+    """modbench's entry point, and the tracker process's module, import neither torch nor MLflow:
+    the process is started first, so its imports run beside torch's (modbench.track.background)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, modbench.cli.main, modbench.track.background; "
+            "print('torch' in sys.modules, 'mlflow' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False False"
 
 
 # --------------------------------------------------------------------------- heatmap

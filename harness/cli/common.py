@@ -15,6 +15,6 @@ def add_tracking_flag(parser: argparse.ArgumentParser) -> None:
 
 def tracking_uri_of(args: argparse.Namespace) -> str:
     """The command's one resolution of the tracking URI (flag, else environment, else ./mlflow.db)."""
-    from modbench.track.tracking import resolve_tracking_uri
+    from modbench.track.store import resolve_tracking_uri
 
     return resolve_tracking_uri(getattr(args, "tracking_uri", None))

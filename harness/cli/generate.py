@@ -42,7 +42,7 @@ def resolve_checkpoint(run: str, tracking_uri: str) -> Path:
     if not RUN_ID.fullmatch(run):
         raise ModbenchError(f"--run {run!r}: no checkpoint file there, and it is not an MLflow run id (32 hex digits)")
     from modbench.track.records import fetch_checkpoint, read_record
-    from modbench.track.tracking import sqlite_db_path
+    from modbench.track.store import sqlite_db_path
 
     db = sqlite_db_path(tracking_uri)
     if db is not None and not db.is_file():  # do not create an empty store just to look

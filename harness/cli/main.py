@@ -11,7 +11,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-from modbench.cli import demo, generate, report, study, train, ui, variants
 from modbench.errors import ModbenchError, redact
 
 
@@ -23,6 +22,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from modbench import __version__
+    from modbench.cli import demo, generate, report, study, train, ui, variants  # torch: seconds
 
     parser = _Parser(prog="modbench", description="Benchmark and ablation suite for Mixture-of-Depths routing.")
     parser.add_argument("--version", action="version", version=f"modbench {__version__}")
@@ -32,7 +32,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _tracked_train_uri(argv: Sequence[str]) -> str | None:
+    """The tracking URI when ``argv`` is ``train`` with tracking on rank 0 (a cheap guess made
+    before parsing, which needs torch: a config file that turns tracking off only wastes the
+    process, which is then stopped)."""
+    if not argv or argv[0] != "train" or os.environ.get("RANK", "0") != "0":
+        return None
+    if {"--no-track", "--print-config", "-h", "--help"} & set(argv):
+        return None
+    from modbench.track.store import resolve_tracking_uri
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--tracking-uri")
+    known, _ = pre.parse_known_args(argv[1:])
+    return resolve_tracking_uri(known.tracking_uri)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from modbench.track import background
+
+    if argv is None:
+        # A real command line: start the MLflow tracker process before importing torch, so its
+        # imports run beside ours (modbench.track.background). Programmatic calls (tests,
+        # notebooks) start it when the run starts.
+        uri = _tracked_train_uri(sys.argv[1:])
+        if uri is not None:
+            background.prewarm(uri)
     try:
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
@@ -46,6 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # `modbench variants --json | head`: the reader left; no traceback, and none at exit either.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    finally:
+        background.discard_prewarmed()
 
 
 if __name__ == "__main__":

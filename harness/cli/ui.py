@@ -24,7 +24,7 @@ _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 def resolve_store(backend_store_uri: str | None) -> str:
     """The backend store URI to serve; ModbenchError when it is a server already or a
     SQLite file that does not exist (``mlflow server`` would create an empty one)."""
-    from modbench.track.tracking import resolve_tracking_uri, sqlite_db_path
+    from modbench.track.store import resolve_tracking_uri, sqlite_db_path
 
     uri = resolve_tracking_uri(backend_store_uri)
     if uri.split("://", 1)[0].lower() in ("http", "https"):
@@ -66,7 +66,7 @@ def check_port(host: str, port: int) -> None:
 def study_experiment_id(uri: str, study_file: str) -> str:
     """The MLflow experiment id of the study in ``study_file``."""
     from modbench.config.study import load_study
-    from modbench.track.tracking import connect
+    from modbench.track.store import connect
 
     name = load_study(study_file).name
     exp = connect(uri).get_experiment_by_name(name)
@@ -77,7 +77,7 @@ def study_experiment_id(uri: str, study_file: str) -> str:
 
 def server_command(uri: str, host: str, port: int) -> list[str]:
     """The ``mlflow server`` command line for ``uri``."""
-    from modbench.track.tracking import artifact_root
+    from modbench.track.store import artifact_root
 
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
            "--host", host, "--port", str(port),

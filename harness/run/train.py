@@ -280,7 +280,9 @@ def _restore(run: _Run) -> None:
 
 def _open_tracker(run: _Run, tracker: RunTracker | None, tracking_uri: str | None) -> tuple[RunTracker, bool]:
     """(tracker, whether this run owns it): rank 0 tracks; a caller's tracker is the caller's."""
-    from modbench.track.tracking import NullTracker, Tracker, resolve_tracking_uri
+    from modbench.track.background import TrackerProcess
+    from modbench.track.store import resolve_tracking_uri
+    from modbench.track.tracking import NullTracker
 
     if not run.main:
         return NullTracker(), False  # one MLflow run per trial, written by rank 0
@@ -290,9 +292,9 @@ def _open_tracker(run: _Run, tracker: RunTracker | None, tracking_uri: str | Non
     if not t.track:
         return NullTracker(), True
     uri = tracking_uri or resolve_tracking_uri()
-    tracker = Tracker(t.experiment, run_name=run.run_dir.name, run_id=run.run_id, uri=uri)
-    # A new run: the store is checked now, MLflow opens it in the background while training starts.
-    return (tracker if run.run_id else tracker.start_in_background()), True
+    # The store is checked now; MLflow opens it and writes the run in a second process, so that
+    # its imports and writes cost training nothing (modbench.track.background).
+    return TrackerProcess(t.experiment, run_name=run.run_dir.name, run_id=run.run_id, uri=uri).start(), True
 
 
 def _log_start(run: _Run) -> None:

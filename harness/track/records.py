@@ -13,7 +13,7 @@ from pathlib import Path
 
 from modbench.errors import ModbenchError
 from modbench.results import RunRecord, declared
-from modbench.track.tracking import connect
+from modbench.track.store import connect
 
 CHECKPOINT_ARTIFACT_DIR = "checkpoint"  # the run's artifact folder that holds checkpoint.pt
 CHECKPOINT_TAG = "modbench.checkpoint"  # on the run: the artifact path of its checkpoint

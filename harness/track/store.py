@@ -1,0 +1,176 @@
+"""Where runs are stored: the tracking URI, and cheap checks that its store answers.
+
+One command resolves its URI once (:func:`resolve_tracking_uri`: the flag, else
+``$MLFLOW_TRACKING_URI``, else ``sqlite:///<cwd>/mlflow.db``, never the deprecated ``./mlruns``
+file store) and passes it down. A store that cannot be reached or written is one line here,
+within seconds and before anything trains: :func:`store_accepts_writes` checks a SQLite file or a
+server without importing MLflow (which takes seconds); :func:`connect` opens the store with MLflow.
+A SQLite store keeps its artifacts beside the database, in ``<dir of mlflow.db>/mlartifacts/``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+from pathlib import Path
+from urllib.parse import quote, urlsplit
+
+from modbench.errors import ModbenchError, redact
+
+_NETWORK_DEFAULT_PORTS = {
+    "http": 80,
+    "https": 443,
+    "postgresql": 5432,
+    "postgres": 5432,
+    "mysql": 3306,
+    "mssql": 1433,
+}
+_CONNECT_TIMEOUT_S = 5.0
+
+
+
+
+
+def resolve_tracking_uri(flag: str | None = None) -> str:
+    """The tracking URI of one command, resolved once and passed down: ``--tracking-uri`` if
+    given, else ``$MLFLOW_TRACKING_URI`` (a tracking server works unchanged), else an absolute
+    ``sqlite:///<cwd>/mlflow.db``. Never the ./mlruns file store."""
+    if flag and flag.strip():
+        return flag.strip()
+    env = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
+    if env:
+        return env
+    return "sqlite:///" + (Path.cwd().resolve() / "mlflow.db").as_posix()
+
+
+def sqlite_db_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI, made absolute; None for other URIs or
+    an in-memory database."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    raw = uri[len("sqlite:///") :].split("?", 1)[0]
+    if not raw or raw == ":memory:":
+        return None
+    return (Path.cwd() / raw).resolve()
+
+
+
+
+def quiet_mlflow_logging() -> None:
+    """MLflow and alembic log INFO lines when a database is first created/migrated, and MLflow logs
+    a database error as an ERROR paragraph before raising it: modbench reports it in one line."""
+    for name in ("alembic", "alembic.runtime.migration"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+
+
+def store_problem(exc: BaseException) -> str:
+    """The database's own reason inside an MLflow exception (SQLAlchemy wraps it in a paragraph)."""
+    text = str(exc)
+    for line in text.splitlines():
+        if "OperationalError" in line or "Error)" in line:
+            return " ".join(line.split(") ", 1)[-1].split())
+    return first_line(exc)
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return " ".join(text.splitlines()[0].split())
+
+
+def _unreachable(uri: str, reason: str) -> ModbenchError:
+    return ModbenchError(
+        f"cannot reach MLflow tracking store at {redact(uri)}: {reason}; pass --tracking-uri (or set "
+        "MLFLOW_TRACKING_URI) with a reachable server or database (default: sqlite:///<cwd>/mlflow.db); "
+        "'modbench train' can also run with --no-track"
+    )
+
+
+def _check_network_store(uri: str) -> None:
+    """Fail within seconds for a server or database that refuses connections; MLflow
+    itself retries for minutes before giving up."""
+    try:
+        parts = urlsplit(uri)
+        scheme = parts.scheme.split("+", 1)[0].lower()
+        host, port = parts.hostname, parts.port
+    except ValueError as exc:
+        raise _unreachable(uri, f"malformed URI ({exc})") from None
+    if scheme not in _NETWORK_DEFAULT_PORTS or not host:
+        return
+    try:
+        with socket.create_connection(
+            (host, port or _NETWORK_DEFAULT_PORTS[scheme]), timeout=_CONNECT_TIMEOUT_S
+        ):
+            pass
+    except OSError as exc:
+        raise _unreachable(uri, first_line(exc)) from None
+
+
+def connect(uri: str):
+    """An ``MlflowClient`` for ``uri`` whose store answered one query."""
+    _check_network_store(uri)
+    quiet_mlflow_logging()
+    from mlflow.tracking import MlflowClient
+
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        client.search_experiments(max_results=1)
+    except Exception as exc:  # any failure to reach/open the store is the user's to fix
+        raise _unreachable(uri, first_line(exc)) from exc
+    return client
+
+
+def artifact_root(uri: str) -> str | None:
+    """``<dir of mlflow.db>/mlartifacts`` for a SQLite store, where every experiment keeps
+    its artifacts; None (the server decides) otherwise."""
+    db = sqlite_db_path(uri)
+    return None if db is None else (db.parent / "mlartifacts").as_posix()
+
+
+def artifact_location(uri: str, experiment: str) -> str | None:
+    """``<artifact_root>/<experiment>`` for a SQLite store; None otherwise."""
+    root = artifact_root(uri)
+    if root is None:
+        return None
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", experiment).strip("._") or "experiment"
+    return f"{root}/{slug}"
+
+
+
+def store_accepts_writes(uri: str) -> bool:
+    """Whether the store was checked, in milliseconds and without importing MLflow: a server or
+    database answers connections, a SQLite file (or its directory, for a new one) takes writes.
+    ModbenchError when it refuses; False for a store this does not check (start it in the foreground)."""
+    scheme = uri.split(":", 1)[0].split("+", 1)[0].lower()
+    if scheme in _NETWORK_DEFAULT_PORTS:
+        _check_network_store(uri)
+        return True
+    db = sqlite_db_path(uri)
+    if db is None or "?" in uri or uri[len("sqlite:///"):].startswith("file:"):
+        return False  # in-memory, URI filenames, options: MLflow's own open says what is wrong
+    import sqlite3
+
+    def refused(reason: str) -> ModbenchError:
+        return ModbenchError(f"the MLflow store {redact(uri)} refused to start a run ({reason}): "
+                             "check that it is writable and has space, or pass another --tracking-uri")
+
+    if not db.exists():
+        if not db.parent.is_dir():
+            raise _unreachable(uri, f"unable to open database file: {db.parent} is not a directory")
+        if not os.access(db.parent, os.W_OK | os.X_OK):
+            raise refused(f"{db.parent} is not writable")
+        return True
+    try:
+        con = sqlite3.connect(f"file:{quote(db.as_posix())}?mode=rw", uri=True, timeout=_CONNECT_TIMEOUT_S)
+    except sqlite3.Error as exc:
+        raise _unreachable(uri, str(exc)) from None
+    try:
+        (version,) = con.execute("PRAGMA user_version").fetchone()
+        con.execute(f"PRAGMA user_version = {int(version)}")  # a write that changes nothing
+    except sqlite3.Error as exc:
+        raise refused(str(exc)) from None
+    finally:
+        con.close()
+    return True
