@@ -78,3 +78,13 @@ def test_wheel_holds_only_modbench_and_its_studies(tmp_path):
     assert json.loads(quiet.stdout) == {"report": "reports/smoke/report.md"} and quiet.stderr == "", quiet.stderr[-500:]
     report = (outside / "reports" / "smoke" / "report.md").read_text()
     assert "4 complete of 4 planned" in report and str(tmp_path) not in report
+
+    # A tracked training run from the command line: the tracker process modbench starts before
+    # it imports torch (modbench.track.background) writes the run.
+    trained = json.loads(modbench("train", "--dataset", "arithmetic", "--depth", "2", "--n-embd", "32", "--head-dim",
+                                  "16", "--max-seq-len", "32", "--seq-len", "32", "--batch-size", "4", "--eval-windows",
+                                  "2", "--budget", "steps=3", "--track", "--run-name", "cli", "--quiet").stdout)
+    check = (f"from mlflow.tracking import MlflowClient; r = MlflowClient('sqlite:///{outside}/mlflow.db')"
+             f".get_run('{trained['run_id']}'); print(r.info.status, r.data.params['train.run_name'])")
+    ran = subprocess.run([sys.executable, "-c", check], cwd=outside, env=env, capture_output=True, text=True)
+    assert ran.stdout.split() == ["FINISHED", "cli"], ran.stderr[-2000:]

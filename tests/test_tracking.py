@@ -352,6 +352,22 @@ def test_a_prewarmed_tracker_process_is_taken_over_and_an_unused_one_stopped(sto
     assert unused.poll() is not None
 
 
+@pytest.mark.parametrize("argv, rank, expected", [
+    (["train", "--track", "--tracking-uri", "sqlite:////x/a.db"], "0", "sqlite:////x/a.db"),  # --track is no prefix
+    (["train", "--budget", "steps=2", "--tracking-uri=http://h:5000"], "0", "http://h:5000"),
+    (["train", "--no-track"], "0", None),
+    (["train", "--print-config"], "0", None),
+    (["train", "--tracking-uri", "sqlite:////x/a.db"], "1", None),  # only rank 0 tracks
+    (["study", "run", "quick", "--tracking-uri", "sqlite:////x/a.db"], "0", None),
+])
+def test_which_command_lines_start_a_tracker_process_early(monkeypatch, argv, rank, expected):
+    from modbench.cli.main import _tracked_train_uri
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert _tracked_train_uri(argv) == expected
+
+
 def test_a_tracker_process_that_loses_its_parent_ends_the_run_failed(store, cwd):
     """The parent dies (its end of the pipe closes) before ending the run: the run is not left RUNNING."""
     tr = TrackerProcess("orphan", uri=store).start()
@@ -510,6 +526,18 @@ def test_tracking_module_imports_mlflow_lazily():
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+def test_environment_tags_name_the_torch_version_without_importing_torch():
+    """The tracker process tags every run with torch's version; importing torch for it would cost
+    that process seconds."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from modbench.track.provenance import environment_tags; v = environment_tags()['torch_version']; "
+            "imported = 'torch' in sys.modules; import torch; print(imported, v == torch.__version__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False True"
 
 
 def test_the_command_line_starts_the_tracker_process_before_it_imports_torch():

@@ -42,10 +42,13 @@ def _tracked_train_uri(argv: Sequence[str]) -> str | None:
         return None
     from modbench.track.store import resolve_tracking_uri
 
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--tracking-uri")
-    known, _ = pre.parse_known_args(argv[1:])
-    return resolve_tracking_uri(known.tracking_uri)
+    flag = None
+    for i, arg in enumerate(argv):  # not argparse: it would take --track for --tracking-uri
+        if arg == "--tracking-uri" and i + 1 < len(argv):
+            flag = argv[i + 1]
+        elif arg.startswith("--tracking-uri="):
+            flag = arg.split("=", 1)[1]
+    return resolve_tracking_uri(flag)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

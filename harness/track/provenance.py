@@ -6,9 +6,11 @@ always be traced to the code that produced it.
 
 from __future__ import annotations
 
+import importlib.metadata
 import platform
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 from modbench import __version__
@@ -44,17 +46,23 @@ def git_sha() -> str:
 def environment_tags() -> dict[str, str]:
     """Tags describing where a run came from: git sha, torch/python/modbench versions,
     platform and hostname."""
-    try:
-        import torch
-
-        torch_version = str(torch.__version__)
-    except ImportError:  # pragma: no cover - torch is a hard dependency
-        torch_version = "unavailable"
     return {
         "git_sha": git_sha(),
-        "torch_version": torch_version,
+        "torch_version": torch_version(),
         "python_version": platform.python_version(),
         "platform": platform.platform(),
         "modbench_version": __version__,
         "hostname": socket.gethostname(),
     }
+
+
+def torch_version() -> str:
+    """``torch.__version__`` (``2.13.0+cpu``), read from the installed distribution when torch is
+    not imported yet: importing it takes seconds, which the tracker process must not spend."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return str(torch.__version__)
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - torch is a hard dependency
+        return "unavailable"
