@@ -45,3 +45,36 @@ def test_output_into_a_closed_pipe_is_not_a_traceback(tmp_path):
     err = proc.stderr.read().decode()
     proc.wait(timeout=60)
     assert "Traceback" not in err and "BrokenPipe" not in err
+
+
+def _actions(parser):
+    """Every option and positional of ``parser`` and of its subcommands, with the command's name."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                for prog, inner in _actions(sub):
+                    yield f"{name} {prog}".strip(), inner
+        elif not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            yield "", action
+
+
+def test_every_flag_of_every_command_has_help_text():
+    from modbench.cli.main import build_parser
+
+    missing = [f"modbench {prog} {'/'.join(a.option_strings) or a.dest}" for prog, a in _actions(build_parser())
+               if not (a.help or "").strip() or (a.help or "").startswith("default:")]
+    assert not missing, missing
+
+
+def test_train_help_states_the_grammars_and_choices(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for needle in ("'steps=N', 'tokens=N', 'flops=X' or 'seconds=S'",  # budgets
+                   "'alternate', 'all', 'fixed:S,E', 'every:K' or a string of D/M",  # layer patterns
+                   "'constant' or 'log'",  # capacity schedules
+                   "auto, cpu, cuda", "bf16 autocast on cuda, float32 on cpu",  # device and precision
+                   "stdlib, tinyshakespeare, enwik8, arithmetic"):  # datasets
+        assert needle in text, needle

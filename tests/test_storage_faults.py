@@ -26,6 +26,10 @@ def test_a_read_only_mlflow_store_is_refused_before_training(tmp_cwd, capsys):
     line = one_line(capsys.readouterr().err)
     assert "readonly database" in line and "--tracking-uri" in line
     assert not list(Path("runs").glob("second*/checkpoint.pt"))  # nothing trained
+    import psutil
+
+    leftover = [p for p in psutil.Process().children(recursive=True) if "modbench.track.background" in p.cmdline()]
+    assert not leftover  # the tracker process that found the store read-only has exited
 
 
 def test_a_full_disk_at_a_checkpoint_keeps_the_previous_one_and_leaves_no_partial_file(tmp_cwd, capsys, monkeypatch):

@@ -13,6 +13,7 @@ import torch
 from modbench import variants
 
 from modbench.config.model import ModelConfig, RoutingConfig
+from modbench.config.patterns import FORMS as PATTERN_FORMS
 from modbench.model.gpt import GPT
 
 
@@ -62,11 +63,11 @@ def run(args) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="compare every variant's FLOPs, speed and routing on a tiny model")
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--capacity", type=float, default=0.125)
-    p.add_argument("--pattern", default="alternate")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--depth", type=int, default=4, help="layers of the tiny model (default: 4)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default: 512)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per batch (default: 4)")
+    p.add_argument("--capacity", type=float, default=0.125, help="share of tokens a routed layer processes, in (0, 1] (default: 0.125)")
+    p.add_argument("--pattern", default="alternate", help=f"which layers are routed: {PATTERN_FORMS} (default: alternate)")
+    p.add_argument("--repeats", type=int, default=3, help="timed forward passes per variant; the fastest counts (default: 3)")
+    p.add_argument("--seed", type=int, default=0, help="initialisation and input seed (default: 0)")
     p.set_defaults(func=run)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from modbench.cli.common import add_tracking_flag, tracking_uri_of
+from modbench.config.help import DEVICES
 from modbench.errors import ModbenchError
 
 RUN_ID = re.compile(r"[0-9a-f]{32}")
@@ -133,7 +134,8 @@ def add_parser(sub) -> None:
     p.add_argument("--greedy", action="store_true", help="always take the most likely byte")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.add_argument("--batch", type=int, default=1, help="sequences sampled in parallel from the prompt (default: 1)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--device", default="auto", choices=DEVICES,
+                   help="auto (cuda when available), cpu or cuda; bf16 autocast on cuda, float32 on cpu")
     p.add_argument("--no-dense", action="store_true", help="skip the routing-off timing run")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_tracking_flag(p)

@@ -24,10 +24,10 @@ def run(args) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("report", help="statistics, tables and plots of a study as markdown")
-    p.add_argument("study_file")
+    p.add_argument("study_file", help="a study file, or the name of a shipped study (modbench study list)")
     p.add_argument("--storage", help="Optuna storage URL (default: SQLite in --out-dir)")
-    p.add_argument("--out-dir", default="runs/studies")
-    p.add_argument("--reports-dir", default="reports")
+    p.add_argument("--out-dir", default="runs/studies", help="where the study's SQLite storage and checkpoints are (default: runs/studies)")
+    p.add_argument("--reports-dir", default="reports", help="the report goes to <reports-dir>/<study>/ (default: reports)")
     add_tracking_flag(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars; print one JSON line")
     p.add_argument("--json", action="store_true", help="print the report's path as JSON")

@@ -20,11 +20,12 @@ from modbench import variants
 
 from modbench.config.budget import Budget
 from modbench.config.model import ModelConfig, RoutingConfig
+from modbench.config.help import DEVICES
+from modbench.config.help import SECTIONS as FLAG_HELP
 from modbench.config.io import bounded, check_bounds, from_mapping, parse_literal, read_toml
 from modbench.data import check_dataset
 from modbench.errors import ModbenchError, accepted
 
-DEVICES = ("auto", "cpu", "cuda")
 MAX_NAME = 100
 NAME_CHARS = re.compile(r"[A-Za-z0-9 _.=+,:-]*")
 
@@ -134,12 +135,13 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                 continue
             flag = "--" + f.name.replace("_", "-")
             tp = hints[f.name]
+            default = f.default if f.default is not MISSING else None
+            text = f"{FLAG_HELP[section][f.name]} (default: {default})"
             if tp is bool:
-                group.add_argument(flag, dest=f"{section}.{f.name}", action=argparse.BooleanOptionalAction, default=None)
+                group.add_argument(flag, dest=f"{section}.{f.name}", action=argparse.BooleanOptionalAction, default=None,
+                                   help=text)
             else:
-                default = f.default if f.default is not MISSING else None
-                group.add_argument(flag, dest=f"{section}.{f.name}", default=None, metavar=f.name.upper(),
-                                   help=f"default: {default}")
+                group.add_argument(flag, dest=f"{section}.{f.name}", default=None, metavar=f.name.upper(), help=text)
     parser.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                         help="a field of the variant's own config, e.g. --option aux_weight=0.1 (repeatable)")
 

@@ -176,7 +176,11 @@ class TrackerProcess:
             self._child = _take_or_spawn(self.uri)
             self._child.send(("start", self._options))
         if not checked or self._run_id is not None:
-            self.run_id  # noqa: B018 - waits for the store to open: its errors come before training
+            try:
+                self.run_id  # noqa: B018 - waits for the store to open: its errors come before training
+            except BaseException:
+                self.end("FAILED")  # no run to end: the process just exits
+                raise
         return self
 
     def _send(self, request: tuple) -> None:
