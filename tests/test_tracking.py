@@ -368,6 +368,20 @@ def test_which_command_lines_start_a_tracker_process_early(monkeypatch, argv, ra
     assert _tracked_train_uri(argv) == expected
 
 
+def test_a_prewarmed_tracker_process_creates_no_store_before_the_run_starts(tmp_path):
+    """The command may fail after the process was started (a bad flag): warming up must not have
+    begun a database it would then leave half-created."""
+    db = tmp_path / "new" / "mlflow.db"
+    db.parent.mkdir()
+    background.prewarm(f"sqlite:///{db}")
+    child = background._prewarmed
+    child.send(("run_id",))  # answered once the warm-up is done: requests are served in order
+    assert child.answer() is None
+    assert not db.exists()
+    background.discard_prewarmed()
+    assert child.proc.poll() is not None and not db.exists()
+
+
 def test_a_tracker_process_that_loses_its_parent_ends_the_run_failed(store, cwd):
     """The parent dies (its end of the pipe closes) before ending the run: the run is not left RUNNING."""
     tr = TrackerProcess("orphan", uri=store).start()

@@ -280,12 +280,22 @@ class TrackerProcess:
 
 
 def _warm(uri: str) -> None:
-    """Import what opening ``uri`` needs, and open it once (a new SQLite store is created here)."""
-    from modbench.track.store import connect
-
+    """Import what opening ``uri`` needs; open it too when that can write nothing (a SQLite file
+    that exists). A new store is created by ``start`` only: this process may be stopped at any
+    moment before that (the command failed), and must not leave a half-created database."""
     import mlflow.system_metrics.system_metrics_monitor  # noqa: F401 - imported before it is needed
+    from mlflow.tracking import MlflowClient  # noqa: F401
 
-    connect(uri)
+    from modbench.track.store import connect, sqlite_db_path
+
+    if uri.split(":", 1)[0].lower() in ("http", "https"):
+        import mlflow.store.tracking.rest_store  # noqa: F401
+        return
+    import mlflow.store.tracking.sqlalchemy_store  # noqa: F401 - SQLAlchemy and alembic: most of the cost
+
+    db = sqlite_db_path(uri)
+    if db is not None and db.is_file():
+        connect(uri)
 
 
 def _error_answer(exc: BaseException) -> tuple[str, str]:
