@@ -90,3 +90,20 @@ def test_third_party_variant_loads_through_entry_points(tmp_path, monkeypatch):
     r = m.routers[0].route(torch.randn(2, 8, 32), 4)
     assert r.index.tolist() == [[0, 1, 2, 3]] * 2
     sys.modules.pop("my_mod_variant", None)
+
+
+def test_product_text_cites_public_sources_never_the_internal_seed_documents():
+    """Users cannot look up "seed 000"-style design documents, and "seed" clashes with random
+    seeds: the README, the code's docstrings, the study files and every variant's source cite the
+    public work (Raposo et al. 2024 with its section, the "Mixture of Depth is Vibe" blog, nanochat)."""
+    import re
+    from pathlib import Path
+
+    internal = re.compile(r"\bseeds?[ /_-]*0\d\d\b|shared/seeds", re.IGNORECASE)
+    root = Path(__file__).resolve().parents[1]
+    files = [root / "README.md", *root.glob("harness/**/*.py"), *root.glob("variants/**/*.py"), *root.glob("studies/*.toml")]
+    hits = [f"{f.relative_to(root)}: {m.group(0)}" for f in files for m in internal.finditer(f.read_text())]
+    hits += [f"variant {name}: {variants.get_variant(name).source}" for name in variants.list_variants()
+             if internal.search(variants.get_variant(name).source)]
+    assert not hits, hits
+    assert "arXiv:2404.02258" in (root / "README.md").read_text()
