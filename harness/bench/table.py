@@ -1,12 +1,16 @@
 """Time ratio vs FLOP ratio from a pytest-benchmark JSON of ``tests/bench``.
 
-    python -m modbench.bench.table reports/bench/cpu.json [--markdown reports/bench/cpu.md]
-        [--stat min|median|mean] [--baseline older.json] [--fail-on-bar]
+    python -m modbench.bench.table reports/bench/cpu.json [more.json …] [--markdown reports/bench/cpu.md]
+        [--stat min|median|mean] [--baseline older.json] [--fail-on-bar] [--write-json merged.json]
+
+Several JSONs (tests/bench run in parts, e.g. ``make gpu-bench``) are read as one: the first
+file's machine information, every file's entries (``--write-json`` saves that union).
 
 Each routed entry is paired with the dense entry of the same (kind, T, device, batch,
-dtype) — kind is ``block`` (one layer, forward + backward) or ``model`` (a GPT training
-step); where the suite timed the dense reference twice (before and after the variants) the
-faster of the two — and reported as
+dtype, width) — kind is ``block`` (one layer, forward + backward), ``model`` (a GPT training
+step) or ``decode`` (a KV-cached generation, tests/bench/test_decode_speed.py); where the suite
+timed the dense reference twice (before and after the variants) the faster of the two — and
+reported as
 
 - time ratio  = t_routed / t_dense from adjacent calls: tests/bench precedes every timed
   round of a routed entry with a call of its dense reference (tests/bench/conftest.py) and
@@ -22,9 +26,15 @@ faster of the two — and reported as
   *extra* speed-up achieved (stricter than efficiency when both are below 1);
 - others_cpu: the share of the machine's CPU that other processes used while the entry's
   rounds ran (for a raw ratio, the larger of the two entries'); above ~10 % a ratio is suspect;
+- tok_s (decode rows): new tokens per call / the call's time; a routed decode's speed-up in
+  tokens/s over dense is 1 / time ratio (both generate the same tokens);
+- mfu (``mfu`` rows, tests/bench/test_mfu.py: dense training steps) = analytic training FLOPs
+  per step / step time / the GPU's bf16 peak (``mfu``);
 - bar (reported, never asserted unless ``--fail-on-bar``): blocks at T ≥ 1024 need
   time ratio ≤ 1.15 × FLOP ratio at C = 0.5 and ≤ 1.25 × at C = 0.125; the model
-  (alternate pattern, C = 0.125) needs efficiency ≥ 0.85.
+  (alternate pattern, C = 0.125) needs efficiency ≥ 0.85; decoding with every middle layer
+  routed (fixed:1,1, C = 0.125) at batch 64 needs ≥ 1.5 × the dense tokens/s; the dense
+  training step needs MFU ≥ 40 %.
 
 ``--baseline`` adds the change of each time ratio against an older JSON (regressions show
 as positive percentages); pytest-benchmark's own ``--benchmark-compare`` compares raw times.
@@ -45,12 +55,16 @@ import pandas as pd
 BLOCK_BAR = {0.5: 1.15, 0.125: 1.25}  # capacity -> max time ratio / FLOP ratio, T >= 1024
 BLOCK_BAR_MIN_T = 1024
 MODEL_BAR = {("alternate", 0.125): 0.85}  # (pattern, capacity) -> min efficiency
+DECODE_BAR = {("fixed:1,1", 0.125, 64): 1.5}  # (pattern, capacity, batch) -> min tokens/s routed ÷ dense
+MFU_BAR = 0.40  # dense training step, bf16
+KINDS = ("block", "model", "decode", "mfu")
 STATS = ("min", "median", "mean")
 
 COLUMNS = [
     "kind", "variant", "C", "T", "B", "device", "time_ms", "dense_ms", "time_ratio", "pairs",
     "raw_ratio", "flop_ratio", "efficiency", "gain", "bar", "others_cpu",
 ]
+OPTIONAL = ["tok_s", "mfu"]  # shown only where some row has a value (decode and mfu entries)
 
 
 def load(path: str | Path) -> dict[str, Any]:
@@ -61,12 +75,41 @@ def load(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def merge(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs' JSONs as one: the first's machine information and date, every entry."""
+    merged = dict(parts[0])
+    merged["benchmarks"] = [b for part in parts for b in part["benchmarks"]]
+    return merged
+
+
+def mfu(flops_per_step: float, step_seconds: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved FLOP/s (FLOPs per step / step time) ÷ peak FLOP/s
+    (Chowdhery et al. 2022, PaLM, appendix B)."""
+    return flops_per_step / step_seconds / peak_flops
+
+
 def _key(info: dict[str, Any]) -> tuple:
-    return (info.get("kind"), info.get("seq_len"), info.get("device"), info.get("batch"), info.get("dtype"))
+    # The width too: entries of different model sizes (test_mfu's) never pair.
+    return (info.get("kind"), info.get("seq_len"), info.get("device"), info.get("batch"), info.get("dtype"),
+            info.get("d_model"))
+
+
+def _label(info: dict[str, Any]) -> str:
+    """The row's variant column: the variant, plus what tells a row of its group apart."""
+    label = info.get("variant", "?")
+    if info.get("kind") == "decode" and label != "dense":
+        label += f" {info.get('pattern')}"  # two patterns per (C, T, B)
+    if info.get("kind") == "mfu":
+        label += f" d={info.get('d_model')}"  # one dense model per width
+    return label + (" (repeat)" if info.get("repeat") else "")
+
+
+def mfu_verdict(value: float) -> str:
+    return f"{'met' if value >= MFU_BAR else 'MISSED'} ({value:.1%} ≥ {MFU_BAR:.0%}?)"
 
 
 def bar_verdict(kind: str, capacity: float, seq_len: int, pattern: str | None, time_ratio: float,
-                flop_ratio: float) -> str:
+                flop_ratio: float, batch: int | None = None) -> str:
     """'' where no bar applies, else 'met …' / 'MISSED …' with the numbers."""
     if kind == "block" and seq_len >= BLOCK_BAR_MIN_T and capacity in BLOCK_BAR:
         limit = BLOCK_BAR[capacity]
@@ -76,6 +119,10 @@ def bar_verdict(kind: str, capacity: float, seq_len: int, pattern: str | None, t
         need = MODEL_BAR[(pattern, capacity)]
         eff = flop_ratio / time_ratio
         return f"{'met' if eff >= need else 'MISSED'} ({eff:.0%} ≥ {need:.0%}?)"
+    if kind == "decode" and (pattern, capacity, batch) in DECODE_BAR:
+        need = DECODE_BAR[(pattern, capacity, batch)]
+        speedup = 1 / time_ratio  # same tokens generated: tokens/s routed ÷ dense
+        return f"{'met' if speedup >= need else 'MISSED'} ({speedup:.2f}× ≥ {need}× dense tokens/s?)"
     return ""
 
 
@@ -83,7 +130,7 @@ def table(data: dict[str, Any], stat: str = "min") -> pd.DataFrame:
     """One row per benchmark of ``tests/bench`` (dense rows included, ratio 1)."""
     if stat not in STATS:
         raise ValueError(f"stat must be one of {STATS}, got {stat!r}")
-    entries = [b for b in data["benchmarks"] if b.get("extra_info", {}).get("kind") in ("block", "model")]
+    entries = [b for b in data["benchmarks"] if b.get("extra_info", {}).get("kind") in KINDS]
     dense: dict[tuple, dict] = {}  # the best of the dense entries (tests/bench times two per T)
     for b in entries:
         if b["extra_info"].get("variant") == "dense":
@@ -102,29 +149,34 @@ def table(data: dict[str, Any], stat: str = "min") -> pd.DataFrame:
         flop_ratio = float(info.get("flop_ratio", math.nan))
         efficiency = flop_ratio / time_ratio
         gain = ((1 / time_ratio - 1) / (1 / flop_ratio - 1)) if flop_ratio < 1 else math.nan
-        verdict = (
-            bar_verdict(info["kind"], float(info["capacity"]), int(info["seq_len"]), info.get("pattern"),
-                        time_ratio, flop_ratio)
-            if not math.isnan(time_ratio) and info.get("variant") != "dense" else ""
-        )
+        tok_s = info["tokens"] / t if info["kind"] == "decode" and info.get("tokens") else math.nan
+        mfu_value = (mfu(float(info["analytic_flops"]), t, float(info["peak_flops"]))
+                     if info["kind"] == "mfu" and info.get("peak_flops") and info.get("analytic_flops") else math.nan)
+        if info["kind"] == "mfu":
+            verdict = "" if math.isnan(mfu_value) else mfu_verdict(mfu_value)
+        elif not math.isnan(time_ratio) and info.get("variant") != "dense":
+            verdict = bar_verdict(info["kind"], float(info["capacity"]), int(info["seq_len"]), info.get("pattern"),
+                                  time_ratio, flop_ratio, batch=info.get("batch"))
+        else:
+            verdict = ""
         # A paired ratio comes from this entry's own rounds; a raw one from two entries.
         sources = (b,) if paired is not None else (b, ref)
         others = [x.get("extra_info", {}).get("foreign_cpu") for x in sources if x]
         others = [o for o in others if o is not None]
-        variant = info.get("variant", "?") + (" (repeat)" if info.get("repeat") else "")
+        variant = _label(info)
         rows.append(dict(
             kind=info["kind"], variant=variant, C=float(info.get("capacity", math.nan)),
             T=int(info["seq_len"]), B=info.get("batch"), device=info.get("device"),
             time_ms=1e3 * t, dense_ms=1e3 * t_dense, time_ratio=time_ratio, raw_ratio=raw_ratio,
             pairs=info.get("paired_rounds"), flop_ratio=flop_ratio,
             efficiency=efficiency, gain=gain, bar=verdict, rounds=b["stats"].get("rounds"),
-            others_cpu=max(others) if others else math.nan, name=b.get("name"),
+            others_cpu=max(others) if others else math.nan, name=b.get("name"), tok_s=tok_s, mfu=mfu_value,
         ))
     df = pd.DataFrame(rows)
     if df.empty:
         return df
     df["_dense_first"] = ~df["variant"].str.startswith("dense")
-    df = df.sort_values(["device", "kind", "T", "_dense_first", "variant", "C"], kind="stable")
+    df = df.sort_values(["device", "kind", "T", "B", "_dense_first", "variant", "C"], kind="stable")
     df = df.drop(columns="_dense_first")
     return df.reset_index(drop=True)
 
@@ -139,7 +191,8 @@ def with_baseline(df: pd.DataFrame, base: pd.DataFrame) -> pd.DataFrame:
 
 def formatted(df: pd.DataFrame) -> pd.DataFrame:
     out = pd.DataFrame()
-    cols = COLUMNS + (["vs_baseline"] if "vs_baseline" in df else [])
+    cols = COLUMNS + [c for c in OPTIONAL if c in df and df[c].notna().any()]
+    cols += ["vs_baseline"] if "vs_baseline" in df else []
     for c in cols:
         s = df[c]
         if c in ("time_ms", "dense_ms"):
@@ -150,6 +203,10 @@ def formatted(df: pd.DataFrame) -> pd.DataFrame:
             out[c] = s.map(lambda v: "" if v is None or pd.isna(v) else str(int(v)))
         elif c == "others_cpu":
             out[c] = s.map(lambda v: "" if pd.isna(v) else f"{v:.0%}")
+        elif c == "tok_s":
+            out[c] = s.map(lambda v: "" if pd.isna(v) else f"{v:,.0f}")
+        elif c == "mfu":
+            out[c] = s.map(lambda v: "" if pd.isna(v) else f"{v:.1%}")
         elif c == "vs_baseline":
             out[c] = s.map(lambda v: "" if pd.isna(v) else f"{v:+.1%}")
         elif c == "C":
@@ -159,13 +216,23 @@ def formatted(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def _measured(r: pd.Series) -> str:
+    """What a bar line reports, by kind."""
+    if r["kind"] == "mfu":
+        return f"MFU {r['mfu']:.1%}"
+    if r["kind"] == "decode":
+        return (f"{r['tok_s']:,.0f} tokens/s, {1 / r['time_ratio']:.2f}× the dense tokens/s, "
+                f"FLOP ratio {r['flop_ratio']:.3f}")
+    return (f"time ratio {r['time_ratio']:.3f}, FLOP ratio {r['flop_ratio']:.3f}, "
+            f"efficiency {r['efficiency']:.2f}, gain {r['gain']:.2f}")
+
+
 def bar_summary(df: pd.DataFrame) -> list[str]:
     lines = []
     for _, r in df[df["bar"] != ""].iterrows():
         lines.append(
             f"{r['kind']} {r['variant']} C={r['C']:g} T={r['T']} B={r['B']} {r['device']}: "
-            f"time ratio {r['time_ratio']:.3f}, FLOP ratio {r['flop_ratio']:.3f}, "
-            f"efficiency {r['efficiency']:.2f}, gain {r['gain']:.2f} -> {r['bar']}"
+            f"{_measured(r)} -> {r['bar']}"
             + ("" if pd.isna(r["others_cpu"]) else f"; other processes used {r['others_cpu']:.0%} of the CPU")
         )
     return lines
@@ -176,8 +243,10 @@ def header(data: dict[str, Any], path: str, stat: str) -> str:
     cpu = m.get("cpu", {}) or {}
     bench = next((b for b in data["benchmarks"] if b.get("extra_info", {}).get("kind")), {})
     info = bench.get("extra_info", {})
+    gpu = next((b["extra_info"]["gpu"] for b in data["benchmarks"] if b.get("extra_info", {}).get("gpu")), None)
     text = (
-        f"{path}: {data.get('datetime', '?')}, {cpu.get('brand_raw', m.get('processor', '?'))}, "
+        f"{path}: {data.get('datetime', '?')}, {cpu.get('brand_raw', m.get('processor', '?'))}"
+        f"{f', {gpu}' if gpu else ''}, "
         f"python {m.get('python_version', '?')}, torch {info.get('torch', '?')}, "
         f"threads {info.get('threads', '?')}; statistic: {stat} over rounds"
     )
@@ -202,23 +271,42 @@ def print_rich(df: pd.DataFrame, title: str) -> None:
     Console(width=200).print(t)
 
 
+def _kind_notes(df: pd.DataFrame) -> list[str]:
+    """The markdown's explanation of the decode and mfu rows, where there are any."""
+    notes = []
+    if (df["kind"] == "decode").any():
+        notes.append("decode rows (KV-cached generation): time ratio = t_routed / t_dense for the same tokens, so "
+                     "1/time ratio is the speed-up in tokens/s; tok_s = new tokens per call / time per call; FLOP "
+                     "ratio = analytic forward FLOPs per token at the realised processed fraction.\n")
+    if (df["kind"] == "mfu").any():
+        notes.append("mfu rows (dense training step): mfu = analytic causal forward + backward FLOPs per step / "
+                     "step time / the GPU's dense bf16 peak.\n")
+    return notes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m modbench.bench.table", description=__doc__.split("\n\n")[0])
-    p.add_argument("json", help="pytest-benchmark JSON (pytest tests/bench --benchmark-json=...)")
+    p.add_argument("json", nargs="+", help="pytest-benchmark JSON (pytest tests/bench --benchmark-json=...); "
+                   "several are read as one")
     p.add_argument("--markdown", help="also write the table as markdown to this file")
     p.add_argument("--stat", default="min", choices=STATS, help="benchmark statistic (default: min)")
     p.add_argument("--baseline", help="an older JSON: show the change of each time ratio")
     p.add_argument("--fail-on-bar", action="store_true", help="exit 1 when a bar is missed")
+    p.add_argument("--write-json", help="also write the (merged) input as one pytest-benchmark JSON to this file")
     a = p.parse_args(argv)
 
-    data = load(a.json)
+    data = merge([load(path) for path in a.json])
+    source = ", ".join(a.json)
+    if a.write_json:
+        Path(a.write_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.write_json).write_text(json.dumps(data, indent=2))
     df = table(data, a.stat)
     if df.empty:
-        print(f"{a.json}: no tests/bench entries (extra_info.kind block/model)", file=sys.stderr)
+        print(f"{source}: no tests/bench entries (extra_info.kind {'/'.join(KINDS)})", file=sys.stderr)
         return 1
     if a.baseline:
         df = with_baseline(df, table(load(a.baseline), a.stat))
-    title = header(data, a.json, a.stat)
+    title = header(data, source, a.stat)
     print_rich(df, title)
     bars = bar_summary(df)
     print("\nBar (reported, not asserted):")
@@ -234,6 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "dense; efficiency = FLOP ratio / time ratio (= achieved ÷ theoretical speed-up); "
             "gain = (1/time ratio − 1) / (1/FLOP ratio − 1); others_cpu = share of the machine's "
             "CPU used by other processes while timing.\n",
+            *_kind_notes(df),
             formatted(df).to_markdown(index=False),
             "\n## Bar (reported, not asserted)\n",
             *(f"- {line}" for line in bars or ["(no entry at a bar point)"]),

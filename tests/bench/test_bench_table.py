@@ -73,3 +73,63 @@ def test_baseline_column(report):
     both = bench_table.with_baseline(df, df)
     routed = both[both["variant"] == "sigmoid"]
     assert (routed["vs_baseline"].abs() < 1e-12).all()
+
+
+def _decode(variant, pattern, batch, t_min, *, paired=None):
+    info = dict(kind="decode", scope="decode", variant=variant, capacity=1.0 if variant == "dense" else 0.125,
+                pattern=pattern, seq_len=192, batch=batch, device="cuda", dtype="bf16", d_model=1024,
+                tokens=batch * 128, flop_ratio=1.0 if variant == "dense" else 0.3)
+    if paired is not None:
+        info.update(paired_time_ratio=paired, paired_rounds=3)
+    return dict(name=f"decode-{variant}-{pattern}-{batch}", extra_info=info,
+                stats=dict(min=t_min, median=t_min, mean=t_min, rounds=3))
+
+
+def _mfu(d_model, t_min):
+    info = dict(kind="mfu", scope="mfu", variant="dense", capacity=1.0, seq_len=2048, batch=8, device="cuda",
+                dtype="bf16-autocast", d_model=d_model, analytic_flops=2e14, peak_flops=989e12, gpu="NVIDIA H100")
+    return dict(name=f"mfu-{d_model}", extra_info=info, stats=dict(min=t_min, median=t_min, mean=t_min, rounds=5))
+
+
+def test_decode_and_mfu_rows_bars_and_merged_files(tmp_path):
+    """Decode rows: speed-up 1/time ratio against the 1.5× bar at fixed:1,1, C = 0.125, B = 64 only;
+    mfu rows: FLOPs / time / peak against 40 %; two JSONs read as one."""
+    base = {"machine_info": {}, "datetime": "now"}
+    decode = dict(base, benchmarks=[
+        _decode("dense", "-", 64, 1.0),
+        _decode("sigmoid", "fixed:1,1", 64, 0.6, paired=0.625),  # 1.6× the dense tokens/s
+        _decode("sigmoid", "alternate", 64, 0.9, paired=0.9),  # no bar at alternate
+        _decode("dense", "-", 8, 0.5),
+        _decode("sigmoid", "fixed:1,1", 8, 0.5, paired=1.0),  # no bar at B = 8
+    ])
+    mfu = dict(base, benchmarks=[_mfu(1024, 0.4), _mfu(2048, 0.6)])  # 2e14 FLOPs: 50.6 %, 33.7 % of 989e12
+    paths = [tmp_path / "decode.json", tmp_path / "mfu.json"]
+    for path, data in zip(paths, (decode, mfu)):
+        path.write_text(json.dumps(data))
+    df = bench_table.table(bench_table.merge([bench_table.load(p) for p in paths])).set_index(["kind", "variant", "B"])
+
+    fixed = df.loc[("decode", "sigmoid fixed:1,1", 64)]
+    assert fixed.dense_ms == pytest.approx(1000.0) and fixed.time_ratio == pytest.approx(0.625)
+    assert fixed.tok_s == pytest.approx(64 * 128 / 0.6)
+    assert fixed.bar.startswith("met") and "1.60×" in fixed.bar
+    assert df.loc[("decode", "sigmoid alternate", 64)].bar == ""
+    assert df.loc[("decode", "sigmoid fixed:1,1", 8)].bar == ""
+    small, large = df.loc[("mfu", "dense d=1024", 8)], df.loc[("mfu", "dense d=2048", 8)]
+    assert small.mfu == pytest.approx(2e14 / 0.4 / 989e12) and small.bar.startswith("met")
+    assert large.mfu == pytest.approx(2e14 / 0.6 / 989e12) and large.bar.startswith("MISSED")
+
+    md, merged = tmp_path / "gpu.md", tmp_path / "gpu.json"
+    assert bench_table.main([*map(str, paths), "--markdown", str(md), "--write-json", str(merged)]) == 0
+    text = md.read_text()
+    head = next(line for line in text.splitlines() if line.startswith("| kind"))
+    assert "tok_s" in head and "mfu" in head
+    assert "mfu rows" in text and "decode rows" in text and "NVIDIA H100" in text
+    assert "MFU 50.6%" in text and "1.60× the dense tokens/s" in text
+    assert len(json.loads(merged.read_text())["benchmarks"]) == 7
+
+
+def test_block_and_model_markdown_has_no_decode_or_mfu_columns(report, tmp_path):
+    md = tmp_path / "bench.md"
+    assert bench_table.main([str(report), "--markdown", str(md)]) == 0
+    head = next(line for line in md.read_text().splitlines() if line.startswith("| kind"))
+    assert "tok_s" not in head and "mfu" not in head
