@@ -51,8 +51,13 @@ def test_without_deferral_the_same_interrupt_is_lost(monkeypatch):
     interrupt goes to ``sys.unraisablehook`` ("Exception ignored") instead of to the program."""
     dropped = []
     monkeypatch.setattr(sys, "unraisablehook", dropped.append)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    _signal_inside_a_weakref_callback(signal.SIGINT)  # no KeyboardInterrupt reaches us
+    # Python's own handler, set here: a process started in the background (`cmd &` in a script)
+    # inherits SIGINT ignored, and Python then keeps it ignored.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _signal_inside_a_weakref_callback(signal.SIGINT)  # no KeyboardInterrupt reaches us
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert [type(u.exc_value) for u in dropped] == [KeyboardInterrupt]
 
 
