@@ -94,6 +94,24 @@ class StudySettings:
 
 
 @dataclass(frozen=True)
+class ClaimSettings:
+    """[claims.<kind>]: how one claim is decided (``modbench.report.claims``)."""
+    margin: float | None = None  # equivalence margin in the headline metric's units (bpb); None: no equivalence test
+    primary: str = ""  # the pre-registered primary contrast's variant (its own family, m = 1); "": the claim's default
+    ci_half_width: float | None = None  # target half-width of the primary contrast's CI (two-stage seed rule)
+    max_seeds: int = 0  # cap on the seeds the two-stage rule may add up to (0: no extra seeds)
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    """[tune]: the tuning grid every compared family gets (tuned on one seed, bracketed)."""
+    lr_mult: tuple = ()  # the initial grid, e.g. (1.0, 2.0, 4.0); () : no tuning stage
+    seed: int = 0  # the tuning seed; the confirmation seeds are the study's other seeds
+    min_lr_mult: float = 0.125  # extension limits: the grid is never extended past these
+    max_lr_mult: float = 32.0
+
+
+@dataclass(frozen=True)
 class Range:
     low: float
     high: float
@@ -148,6 +166,8 @@ class Study:
     space: dict[str, Any]  # key -> list of choices, or Range for capacity / lr_mult
     file_sha256: str
     also: tuple[dict[str, Any], ...] = ()  # [[space.also]]: more grids, each a full space like ``space``
+    tune: TuneSettings = TuneSettings()  # [tune]: empty lr_mult means no tuning stage
+    claim_settings: dict[str, ClaimSettings] = field(default_factory=dict)  # [claims.<kind>], by claim kind
 
     @property
     def name(self) -> str:
