@@ -109,3 +109,33 @@ def test_anything_that_passes_validation_runs(model, variant, capacity, n_head):
     out = m(x, x)
     assert torch.isfinite(out.loss)
     out.loss.backward()
+
+
+@pytest.mark.parametrize("depth, pattern", [(1, "alternate"), (3, "every:4"), (4, "DD"), (2, "DDM"), (5, "D")])
+def test_a_routed_config_whose_pattern_routes_no_layer_is_refused(depth, pattern):
+    """Silently training the dense model under a routed variant's name would mislabel a result."""
+    with pytest.raises(ModbenchError) as e:
+        RunConfig(ModelConfig(depth=depth), RoutingConfig("sigmoid", 0.25, pattern=pattern))
+    msg = str(e.value)
+    assert f"routing.pattern {pattern!r} routes no layer of a {depth}-layer model" in msg and "\n" not in msg
+    assert "expected a pattern that routes at least one layer" in msg
+    # dense configs (the baseline, capacity 1, the sizing code's dense probes) are exempt
+    RunConfig(ModelConfig(depth=depth), RoutingConfig("dense", pattern=pattern))
+    RunConfig(ModelConfig(depth=depth), RoutingConfig("sigmoid", 1.0, pattern=pattern))
+    RunConfig(ModelConfig(depth=depth), RoutingConfig())
+
+
+def test_a_pattern_that_routes_nothing_is_one_line_exit_2_on_the_command_line(tmp_cwd, capsys):
+    assert main(["train", "--dataset", "arithmetic", "--variant", "sigmoid", "--depth", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("modbench: error:") and "routes no layer of a 1-layer model" in err and "\n" not in err
+    assert list(tmp_cwd.iterdir()) == []
+
+
+def test_sizing_probes_of_dense_shapes_down_to_depth_one_still_work():
+    from modbench.model.sizing import matched_dense_shape
+
+    cfg = RunConfig(ModelConfig(depth=2, n_embd=32, head_dim=8, max_seq_len=32), RoutingConfig("sigmoid", 0.125),
+                    TrainConfig(seq_len=32))
+    depth, width, ratio = matched_dense_shape(cfg, tolerance=1.0)
+    assert 1 <= depth <= 2 and width <= 32 and ratio > 0

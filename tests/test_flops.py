@@ -88,3 +88,20 @@ def test_model_flops_are_the_sum_of_its_layers_methods():
         assert report.forward == sum(l.forward for l in layers) + head.forward
         assert report.backward == sum(l.backward for l in layers) + head.backward
         assert report.tokens_processed == [l.tokens_processed for l in layers]
+
+
+@pytest.mark.parametrize("name", ["token_choice", "threshold"])
+@pytest.mark.parametrize("share", [0.25, 0.5])
+def test_decode_flops_of_a_variable_count_router_at_its_share_are_a_fixed_count_routers(name, share):
+    """Decoding runs exactly the tokens the rule processes: no k_max slots. (Charging the slots made
+    a share of 0.25 cost what a fixed-count router pays at 0.5, and a share of 0.5 more than dense.)"""
+    from modbench.model.sizing import decode_flops_per_token
+
+    T = 96
+    variable = decode_flops_per_token(CFG, RoutingConfig(name, capacity=0.125, pattern="all"), T, share)
+    fixed = decode_flops_per_token(CFG, RoutingConfig("sigmoid", capacity=0.125, pattern="all"), T, share)
+    assert variable == fixed  # the same linear scorer (2d per token): everything else is the block at k
+    assert variable < decode_flops_per_token(CFG, RoutingConfig(), T, 1.0)
+    # training FLOPs still count the slots the batched forward runs (FlopCounterMode, above)
+    m = GPT(CFG, RoutingConfig(name, capacity=share, pattern="all"))
+    assert m.flop_report(T).tokens_processed == [min(T, 2 * int(share * T))] * CFG.layers

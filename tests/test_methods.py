@@ -116,7 +116,31 @@ def test_threshold_is_straight_through_processed_tokens_get_exactly_the_delta():
     assert block.router.scorer.proj.weight.grad.abs().sum() > 0  # backward: the sigmoid's gradient
     penalty = r.aux_losses["capacity_penalty"]
     wanting = block.router.decide_causal(x).float().mean().item()  # the rule's share, before the k_max cap
-    assert penalty.item() == pytest.approx(max(0.0, wanting - 0.25), abs=1e-6)
+    assert penalty.item() == pytest.approx(abs(wanting - 0.25), abs=1e-6)  # two-sided, the default
+
+
+@pytest.mark.parametrize("budget", ["two_sided", "one_sided"])
+def test_threshold_budget_penalty_pulls_a_share_below_c_back_up_only_when_two_sided(budget):
+    """relu(share − C) has no gradient below C, so nothing stops the share collapsing to ~0 (issue 26);
+    |share − C| pulls it back. The share here is far below C at the start (a negative bias)."""
+    torch.manual_seed(12)
+    m = spread(GPT(CFG, RoutingConfig("threshold", capacity=0.25, pattern="all", options={"budget": budget})), std=0.3)
+    for r in m.routers:
+        torch.nn.init.constant_(r.scorer.proj.bias, -5.0)
+    idx = torch.randint(0, 256, (4, T))
+    before = torch.cat([p.float().flatten() for p in processed(m, idx)]).mean().item()
+    opt = torch.optim.Adam([p for r in m.routers for p in r.parameters()], lr=0.1)
+    for _ in range(80):
+        loss = sum(m(idx, idx).aux_losses.values())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    after = torch.cat([p.float().flatten() for p in processed(m, idx)]).mean().item()
+    assert before < 0.01
+    if budget == "two_sided":
+        assert abs(after - 0.25) < 0.1
+    else:
+        assert after == before  # no gradient below C: the share stays where it fell
 
 
 def test_token_choice_balance_loss_pulls_the_rate_to_the_capacity():
@@ -435,3 +459,149 @@ def test_mixture_of_experts_at_inference_keeps_each_row_independent_of_the_other
             other = h.clone()
             other[cut:] = torch.randn(3 * T - cut, CFG.width)
             assert torch.equal(moe(other)[:cut], base[:cut])
+
+
+# --- issue 26, item 5: plumbing ----------------------------------------------------------------------
+def test_k_max_is_slack_times_the_fixed_count_k_in_code_and_docs():
+    """k_max = min(T, ⌈slack·k⌉), k = max(1, ⌊C·T⌋): the code, the variant's docs and the README say one thing."""
+    from pathlib import Path
+
+    import modbench.variants.token_choice as token_choice
+
+    for name in ("token_choice", "threshold"):
+        for C, seq_len, slack, expected in [(0.125, 100, 2.0, 24), (0.125, 64, 1.0, 8), (0.01, 50, 3.0, 3),
+                                            (0.5, 64, 2.0, 64), (0.3, 10, 1.5, 5)]:
+            m = GPT(ModelConfig(depth=1, n_embd=32, head_dim=8, max_seq_len=128),
+                    RoutingConfig(name, capacity=C, pattern="all", options={"slack": slack}))
+            block: RoutedBlock = m.layers[0]
+            k = block.capacity.k(seq_len)
+            assert k == max(1, math.floor(C * seq_len + 1e-9))
+            assert block.router.tokens_run(k, seq_len) == expected == min(seq_len, math.ceil(slack * k))
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for text in (readme, token_choice.__doc__):
+        assert "⌈slack·C·T⌉" not in text.replace(" ", "")
+        assert "⌈slack·k⌉" in text.replace(" ", "")
+
+
+def test_learned_temperature_stays_in_its_bounds_and_keeps_a_gradient_there():
+    """The clamped τ of old froze once it left [0.1, 5] (zero gradient); the sigmoid bound does not:
+    τ follows a target to either end of its range and back, strictly inside the bounds."""
+    torch.manual_seed(8)
+    router = GPT(CFG, RoutingConfig("learned_temperature", capacity=0.25, pattern="all")).routers[0]
+    lo, hi = router.config.temperature_min, router.config.temperature_max
+    assert router.tau().item() == pytest.approx(router.config.temperature_init, rel=1e-5)
+    for target in (hi - 0.1, lo + 0.1, 2.0):
+        opt = torch.optim.Adam([router.temperature_logit], lr=0.2)
+        for _ in range(400):
+            opt.zero_grad()
+            ((router.tau() - target) ** 2).backward()
+            opt.step()
+            assert lo < router.tau().item() < hi
+        assert router.tau().item() == pytest.approx(target, abs=0.05)
+    with torch.no_grad():
+        router.temperature_logit.fill_(12.0)  # τ a hair below the top bound: still a gradient
+    router.temperature_logit.grad = None
+    r = torch.randn(4, 8)
+    router.mix_weight(r, r).sum().backward()
+    assert router.temperature_logit.grad.abs().item() > 0
+
+
+@pytest.mark.parametrize("old_tau, expected", [(0.7, 0.7), (3.0, 3.0), (9.0, 5.0), (0.01, 0.1)])
+def test_learned_temperature_converts_a_checkpoint_of_the_clamped_form(old_tau, expected):
+    """A state dict with the old ``temperature`` parameter loads into the new form with the τ the old
+    forward used (its clamp applied); strict loading sees no missing or unexpected key."""
+    m = GPT(CFG, RoutingConfig("learned_temperature", capacity=0.25, pattern="all"))
+    state = m.state_dict()
+    for key in [k for k in state if k.endswith("router.temperature_logit")]:
+        del state[key]
+        state[key.replace("temperature_logit", "temperature")] = torch.tensor(old_tau)
+    m.load_state_dict(state)
+    for r in m.routers:
+        assert r.tau().item() == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("init, bounds", [(0.1, (0.1, 5.0)), (5.0, (0.1, 5.0)), (2.0, (3.0, 5.0))])
+def test_learned_temperature_init_must_be_strictly_inside_its_bounds(init, bounds):
+    with pytest.raises(ModbenchError, match="temperature_min < temperature_init < temperature_max"):
+        GPT(CFG, RoutingConfig("learned_temperature", capacity=0.25, pattern="all", options={
+            "temperature_init": init, "temperature_min": bounds[0], "temperature_max": bounds[1]}))
+    fixed = GPT(CFG, RoutingConfig("learned_temperature", capacity=0.25, pattern="all", options={
+        "temperature_init": 1.0, "temperature_min": 1.0, "temperature_max": 1.0})).routers[0]
+    assert fixed.tau().item() == 1.0
+
+
+def _calibrated(name: str, options: dict, pattern: str = "all") -> GPT:
+    from modbench.run.causal_eval import calibrate_causal_rules
+
+    torch.manual_seed(9)
+    m = spread(GPT(CFG, RoutingConfig(name, capacity=0.25, pattern=pattern, options=options)))
+    calibrate_causal_rules(m, [torch.randint(0, 256, (4, T))])
+    return m.eval()
+
+
+def _causal_and_cached_decoding_agree(m: GPT) -> None:
+    """No look-ahead in causal mode, and KV-cached generation equal to the causal forward."""
+    from modbench.model.decode import generate
+
+    idx = torch.randint(0, 256, (2, 32))
+    assert leak_rate(m, idx, routing_mode="causal") == 0.0
+    out = generate(m, idx[:, :3], 12, temperature=0, return_logits=True)
+    with torch.no_grad():
+        full = m(out.tokens[:, :-1], routing_mode="causal").logits
+    torch.testing.assert_close(out.logits, full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("weight_scope", ["mlp", "block"])
+def test_pmod_weight_scope_mlp_weights_the_mlp_output_only(weight_scope):
+    """"mlp" (default, p-MoD's released code): a processed token becomes x + attn + w·mlp; "block":
+    x + w·(attn + mlp). Skipped tokens are w·x either way (STRing)."""
+    torch.manual_seed(10)
+    options = {} if weight_scope == "mlp" else {"weight_scope": "block"}
+    m = spread(GPT(CFG, RoutingConfig("pmod", capacity=0.25, pattern="all", options=options)))
+    assert m.routers[0].weight_scope == weight_scope
+    block: RoutedBlock = m.layers[0]
+    x = torch.randn(2, T, CFG.width)
+    with torch.no_grad():
+        out = block(x, m.rope_cos, m.rope_sin)
+        w = 0.2 * torch.tanh(block.router.scorer(x)) + 1
+        for b in range(2):
+            idx = out.processed[b].nonzero().squeeze(1)
+            sub = x[b, idx].unsqueeze(0)
+            cos, sin = m.rope_cos[idx].view(1, 1, len(idx), -1), m.rope_sin[idx].view(1, 1, len(idx), -1)
+            a = block.block.attention(sub, cos, sin)
+            mlp = block.block.mlp(block.block.norm2(sub + a))
+            wb = w[b, idx].view(1, -1, 1)
+            expected = sub + a + wb * mlp if weight_scope == "mlp" else sub + wb * (a + mlp)
+            torch.testing.assert_close(out.x[b, idx].unsqueeze(0), expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.x[~out.processed], (x * w.unsqueeze(-1))[~out.processed])
+    _causal_and_cached_decoding_agree(_calibrated("pmod", options))
+
+
+def test_pmod_weight_scope_is_validated():
+    with pytest.raises(ModbenchError, match="weight_scope"):
+        GPT(CFG, RoutingConfig("pmod", capacity=0.25, pattern="all", options={"weight_scope": "attn"}))
+
+
+def test_sigmoid_raw_weighting_multiplies_the_block_output_by_r_itself():
+    """Raposo et al. §3.4: x + r·f(x) for the top-k tokens, r the raw router output ("raw");
+    "sigmoid" (the default, from the blog) gives x + sigmoid(r)·f(x)."""
+    torch.manual_seed(11)
+    x = torch.randn(2, T, CFG.width)
+    outs = {}
+    for weighting in ("raw", "sigmoid"):
+        torch.manual_seed(11)
+        m = spread(GPT(CFG, RoutingConfig("sigmoid", capacity=0.25, pattern="all", options={"weighting": weighting})))
+        block: RoutedBlock = m.layers[0]
+        with torch.no_grad():
+            out = block(x, m.rope_cos, m.rope_sin)
+            r = block.router.scorer(x)
+        outs[weighting] = (out, r)
+    (raw, r), (sig, _) = outs["raw"], outs["sigmoid"]
+    assert torch.equal(raw.processed, sig.processed)  # the same selection: only the weight differs
+    p = raw.processed
+    delta_sig = (sig.x - x)[p] / torch.sigmoid(r)[p].unsqueeze(-1)  # f(x) of the processed tokens
+    torch.testing.assert_close((raw.x - x)[p], r[p].unsqueeze(-1) * delta_sig, rtol=1e-4, atol=1e-5)
+    assert torch.equal(raw.x[~p], x[~p])
+    _causal_and_cached_decoding_agree(_calibrated("sigmoid", {"weighting": "raw"}))
+    with pytest.raises(ModbenchError, match="weighting"):
+        GPT(CFG, RoutingConfig("sigmoid", capacity=0.25, pattern="all", options={"weighting": "softmax"}))

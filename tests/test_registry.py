@@ -107,3 +107,94 @@ def test_product_text_cites_public_sources_never_the_internal_seed_documents():
              if internal.search(variants.get_variant(name).source)]
     assert not hits, hits
     assert "arXiv:2404.02258" in (root / "README.md").read_text()
+
+
+@pytest.mark.parametrize("name", variants.list_variants())
+def test_every_router_parameter_is_undecayed_and_initialised_by_its_router(name):
+    """The optimizer's router group (no weight decay) and ``GPT._init_weights`` pick router parameters
+    by identity. mode_integrated's gate is registered under ``block.mlp.gate`` first, which a test on
+    the name (".router.") missed: it got weight decay and was re-initialised by the model."""
+    import torch
+
+    from modbench.config.model import ModelConfig, RoutingConfig
+    from modbench.config.run import RunConfig, TrainConfig
+    from modbench.model.gpt import GPT
+    from modbench.run.train import build_optimizer
+
+    cfg = RunConfig(ModelConfig(depth=2, n_embd=32, head_dim=8, max_seq_len=32), RoutingConfig(name, 0.5, pattern="all"),
+                    TrainConfig(seq_len=32))
+    torch.manual_seed(0)
+    model = GPT(cfg.model, cfg.routing)
+    group_of = {id(p): g for g in build_optimizer(model, cfg).param_groups for p in g["params"]}
+    assert len(group_of) == len(list(model.parameters()))  # every parameter in exactly one group
+    owned = [p for r in model.routers for p in r.parameters()]
+    assert {id(p) for p in owned} == {id(p) for p in model.router_parameters()}
+    for p in owned:
+        assert group_of[id(p)]["name"] == "router" and group_of[id(p)]["weight_decay"] == 0.0
+    others = [g for g in group_of.values() if g["name"] == "router"]
+    assert len(others) == len({id(p) for p in owned})  # and nothing else is in the router group
+    # the model's GPT-2 init leaves every router parameter as its router set it
+    with torch.no_grad():
+        for p in owned:
+            p.fill_(0.123)
+    model._init_weights()
+    assert all(bool((p == 0.123).all()) for p in owned)
+
+
+def _readme_variant_rows() -> dict[str, list[str]]:
+    """{variant: cells} of every row of the README's variant tables."""
+    import re
+    from pathlib import Path
+
+    rows: dict[str, list[str]] = {}
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for line in readme.splitlines():
+        if m := re.match(r"^\| `(\w+)` \|(.*)\|\s*$", line):
+            assert m[1] not in rows, f"variant {m[1]} has two README rows"
+            rows[m[1]] = [c.strip() for c in m[2].split(" | ")]
+    return rows
+
+
+def test_readme_variant_tables_show_the_registrys_provenance():
+    """Both README variant tables carry a provenance column equal to each variant's registry fields,
+    every built-in variant has a row, and every routed one states its provenance."""
+    from modbench.variants.base import CHECKS, ORIGINS
+
+    rows = _readme_variant_rows()
+    assert set(rows) == set(variants.list_variants())
+    for name in variants.list_variants():
+        spec = variants.get_variant(name)
+        if name != "dense":
+            assert spec.provenance is not None, f"{name} states no provenance"
+            p = spec.provenance
+            assert {p.selection, p.weighting, p.decode} <= set(ORIGINS)
+            assert all(check in CHECKS for _, check in p.citations)
+            assert p.citations or name.startswith("random"), f"{name} cites nothing"
+        expected = spec.provenance.cell() if spec.provenance else "—"
+        assert rows[name][-1] == expected, f"README provenance of {name}: {rows[name][-1]!r} != {expected!r}"
+
+
+def test_provenance_refuses_values_outside_its_vocabulary():
+    from modbench.variants import Provenance
+
+    with pytest.raises(ValueError, match="selection"):
+        Provenance("the paper", "paper", "paper")
+    with pytest.raises(ValueError, match="check"):
+        Provenance("paper", "paper", "paper", (("X 2024", "read it"),))
+    assert Provenance("paper", "paper's recipe", "modbench's own", (("X 2024", "secondary"),)).cell() == (
+        "selection: paper; weighting: paper's recipe; decode: modbench's own; cited: X 2024 (secondary)")
+
+
+def test_cli_variants_lists_the_provenance(capsys):
+    import json
+
+    from modbench.cli.main import main
+
+    assert main(["variants", "pmod", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    p = variants.get_variant("pmod").provenance
+    assert row["provenance"]["text"] == p.cell()
+    assert (row["provenance"]["selection"], row["provenance"]["weighting"], row["provenance"]["decode"]) == (
+        p.selection, p.weighting, p.decode)
+    assert [(c["citation"], c["checked"]) for c in row["provenance"]["citations"]] == list(p.citations)
+    assert ("MCG-NJU/p-MoD pmod_llava_llama.py (ModLayer)", "released code") in p.citations

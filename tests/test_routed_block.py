@@ -106,9 +106,12 @@ def test_routed_block_equals_dense_block_on_the_subset_at_original_positions(nam
             sub = base[b, idx].unsqueeze(0)
             if block.router.scope == "mlp":
                 delta = block.block.mlp(block.block.norm2(sub))
+            elif block.router.weight_scope == "mlp" and r.weight is not None:  # x + attn + w·mlp (p-MoD)
+                a = block.block.attention(sub, cos[idx].unsqueeze(0).unsqueeze(0), sin[idx].unsqueeze(0).unsqueeze(0))
+                delta = a + block.block.mlp(block.block.norm2(sub + a)) * r.weight[b][valid[b]]
             else:  # a dense block on the subset, original positions
                 delta = block.block.delta(sub, cos[idx].unsqueeze(0).unsqueeze(0), sin[idx].unsqueeze(0).unsqueeze(0))
-            if r.weight is not None:
+            if r.weight is not None and block.router.weight_scope == "block":
                 delta = delta * r.weight[b][valid[b]]
             torch.testing.assert_close(out[b, idx].unsqueeze(0), sub + delta, rtol=1e-5, atol=1e-6)
 

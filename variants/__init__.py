@@ -8,7 +8,7 @@ and methods of the later literature: ``nested`` (Mixture-of-Recursions), ``token
 experts), ``amod`` (A-MoD's attention routing). Add your own with ``@register_variant`` (see README).
 """
 
-from .base import QuantileThreshold, Router, Routing, RunningMean, VariantConfig, linear_ramp, topk_membership
+from .base import Provenance, QuantileThreshold, Router, Routing, RunningMean, VariantConfig, linear_ramp, topk_membership
 from .registry import (
     ENTRY_POINT_GROUP,
     VariantSpec,
@@ -23,6 +23,7 @@ from . import amod, controls, learned_temperature, linear_softmax, mlp_skip, mod
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "Provenance",
     "QuantileThreshold",
     "Router",
     "Routing",

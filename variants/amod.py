@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import QuantileThreshold, Router, Routing
+from .base import Provenance, QuantileThreshold, Router, Routing
 from .norm import NormConfig
 from .registry import register_variant
 
@@ -103,7 +103,11 @@ class AmodRouter(Router):
 
 
 @register_variant("amod", config=AmodConfig,
-                  source="A-MoD, Gadhikar et al. 2024 (arXiv:2412.20875), attention routing (abstract, §1); causal version here")
+                  source="A-MoD, Gadhikar et al. 2024 (arXiv:2412.20875), attention routing (abstract, §1); causal version here",
+                  # Only the abstract was read: the score's exact formula, the (absent) weighting and the causal
+                  # rule are this benchmark's definitions for a causal decoder.
+                  provenance=Provenance("paper's recipe", "modbench's own", "modbench's own",
+                                        (("A-MoD abstract", "paper's text"), ("A-MoD method section", "secondary"))))
 def build_amod(d_model: int, config: AmodConfig) -> AmodRouter:
     """Parameter-free: score = attention received in the previous layer (causal rule: own weight), unweighted."""
     return AmodRouter(config)

@@ -19,6 +19,44 @@ from torch import Tensor, nn
 
 Scope = Literal["block", "mlp", "none"]
 
+# Where a part of a variant comes from (``Provenance``).
+ORIGINS = ("paper", "paper's recipe", "modbench's own")
+# How a citation was checked: against the cited work's own text, against its authors' released
+# code, or taken from a secondary source (a summary, another implementation, our reading of it
+# elsewhere) without re-reading the work itself.
+CHECKS = ("paper's text", "released code", "secondary")
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a variant's selection, output weighting and decode-time rule come from, and how each
+    citation behind them was checked (shown in ``modbench variants`` and the README tables).
+
+    selection / weighting / decode: "paper" (as the cited work defines it), "paper's recipe" (the
+    cited work's idea, adapted here: another setting, a stated change), or "modbench's own" (not in
+    any cited work; controls and baselines are modbench's own throughout).
+    citations: (citation, check) pairs, check one of ``CHECKS``; empty for a control.
+    """
+
+    selection: str
+    weighting: str
+    decode: str
+    citations: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        for part in ("selection", "weighting", "decode"):
+            if getattr(self, part) not in ORIGINS:
+                raise ValueError(f"provenance {part} must be one of {ORIGINS}, got {getattr(self, part)!r}")
+        for citation, check in self.citations:
+            if check not in CHECKS:
+                raise ValueError(f"citation {citation!r}: check must be one of {CHECKS}, got {check!r}")
+
+    def cell(self) -> str:
+        """One line: what the README tables' provenance column and ``modbench variants`` show."""
+        parts = f"selection: {self.selection}; weighting: {self.weighting}; decode: {self.decode}"
+        cites = "; ".join(f"{citation} ({check})" for citation, check in self.citations)
+        return f"{parts}; cited: {cites}" if cites else parts
+
 
 @dataclass(frozen=True)
 class VariantConfig:
@@ -124,6 +162,16 @@ class Router(nn.Module):
     # ``decide_causal_given``), and sets ``attention_source`` on routers that have a previous layer.
     reads_attention: ClassVar[bool] = False
     attention_source: bool = False
+    # False: count FLOPs as decoding runs the layer — exactly the tokens the rule processes, so a
+    # variable-count router costs what a fixed-count one does at the same share (set on throwaway
+    # models by ``modbench.model.sizing.decode_flops_per_token``). True: as the batched training
+    # forward runs it (a variable-count router's k_max slots, what ``FlopCounterMode`` sees).
+    count_batched_slots: bool = True
+    # What the router's weight multiplies on a processed token: "block", the whole delta (attention
+    # + MLP, Raposo et al.), or "mlp", the MLP output alone (x + attn + w·mlp; p-MoD's released code).
+    # Only a weight elementwise in the token's own score can be "mlp" (the causal paths recompute it
+    # from the token's state inside the block; see ``RoutedBlock.routed_delta``).
+    weight_scope: Literal["block", "mlp"] = "block"
 
     def __init__(self, config: VariantConfig) -> None:
         super().__init__()
@@ -166,6 +214,10 @@ class Router(nn.Module):
     def skip_scale(self, x: Tensor) -> Tensor | None:
         """(B, T) multiplier on the residual stream of tokens this layer skips, or None (skipped
         tokens pass through bit-identical). Only p-MoD's STRing scales them."""
+        if type(self).skip_scale_of is Router.skip_scale_of:
+            # No scaling: skip the score (causal mode and every KV-cached decode step call this per
+            # routed layer; the random control's score would also draw from the global RNG).
+            return None
         return self.skip_scale_of(self.score(x))
 
     def skip_scale_of(self, scores: Tensor) -> Tensor | None:
@@ -174,7 +226,8 @@ class Router(nn.Module):
 
     def tokens_run(self, k: int, seq_len: int) -> int:
         """How many tokens the routed block runs for a nominal k (the static slot count; a
-        variable-count router runs a fixed k_max and masks the slots it does not use)."""
+        variable-count router runs a fixed k_max and masks the slots it does not use, unless
+        ``count_batched_slots`` is off)."""
         return k
 
     def causal_weight(self, x: Tensor, decide: Tensor) -> Tensor | None:

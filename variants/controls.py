@@ -4,7 +4,7 @@ Random controls (what a learned router must beat to have learned anything):
 
 - ``random``: k uniformly random tokens per routed layer, delta added unweighted.
 - ``random_gated``: random selection, but the delta is weighted by a learned gate
-  sigmoid(w·x), the gate of ``sigmoid`` (Raposo et al. 2024 §3.3). It separates what the
+  sigmoid(w·x), the gate of ``sigmoid`` (Raposo et al. 2024 §3.4). It separates what the
   *selection* contributes from what the *gate* contributes: ``sigmoid`` vs ``random_gated``
   differ in the selection only. (``norm`` has no gate, so ``random`` is its control.)
 - ``random_mlp``: random selection at scope "mlp" (attention on every token, the MLP on the
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import QuantileThreshold, Router, Routing, VariantConfig
+from .base import Provenance, QuantileThreshold, Router, Routing, VariantConfig
 from .linear_router import LinearScorer
 from .registry import register_variant
 
@@ -105,7 +105,8 @@ class RandomRouter(Router):
         return z >= tau
 
 
-@register_variant("random", config=RandomConfig, source="control (uniform random top-k)")
+@register_variant("random", config=RandomConfig, source="control (uniform random top-k)",
+                  provenance=Provenance("modbench's own", "modbench's own", "modbench's own"))
 def build_random(d_model: int, config: RandomConfig) -> RandomRouter:
     """Control: k uniformly random tokens per routed layer, unweighted."""
     return RandomRouter(config, d_model)
@@ -135,13 +136,15 @@ class RandomMlpRouter(RandomGatedRouter):
 
 
 @register_variant("random_gated", config=RandomConfig,
-                  source="control: random top-k with sigmoid's learned gate (Raposo et al. 2024 §3.3)")
+                  source="control: random top-k with sigmoid's learned gate (Raposo et al. 2024 §3.4)",
+                  provenance=Provenance("modbench's own", "modbench's own", "modbench's own"))
 def build_random_gated(d_model: int, config: RandomConfig) -> RandomGatedRouter:
     """Control of ``sigmoid``: k random tokens, delta × sigmoid(w·x) with a learned w."""
     return RandomGatedRouter(config, d_model)
 
 
-@register_variant("random_mlp", config=RandomConfig, source="control: random top-k at MLP scope, learned gate")
+@register_variant("random_mlp", config=RandomConfig, source="control: random top-k at MLP scope, learned gate",
+                  provenance=Provenance("modbench's own", "modbench's own", "modbench's own"))
 def build_random_mlp(d_model: int, config: RandomConfig) -> RandomMlpRouter:
     """Control of ``mlp_skip``: attention on all tokens, the MLP on k random ones, gated."""
     return RandomMlpRouter(config, d_model)

@@ -1,22 +1,29 @@
 """``learned_temperature``: sigmoid routing with a learnable temperature and regularisers.
 
-Source: an unpublished enwik8 MoD development report (2025; its v2 router): p = sigmoid(r / τ) with τ a learnable scalar clamped to
+Source: an unpublished enwik8 MoD development report (2025; its v2 router): p = sigmoid(r / τ) with τ a learnable scalar kept in
 [τ_min, τ_max] = [0.1, 5] (initialised at 2), an entropy regulariser that rewards uncertain
 routing probabilities (the report maximises the binary entropy to prevent collapse) and a
 balance loss (mean p − capacity)² that keeps the soft processing rate at the capacity. Both
 losses ramp in linearly over ``aux_warmup_steps`` (the report's progressive schedule). Unlike
 the report, selection is a real top-k, so the compute saving is real. Causal rule: threshold
 at the running k-th-largest logit.
+
+Bounding τ (modbench's choice): the report clamps τ, and a clamp in the forward has zero gradient
+outside the bounds, so a τ that leaves them never comes back. Here τ = τ_min + (τ_max − τ_min)·
+sigmoid(θ) with θ the learned parameter (``temperature_logit``): always inside the bounds, always a
+gradient. A checkpoint of the clamped form (a ``temperature`` parameter) is converted on loading:
+θ = logit of its clamped τ, which gives the same τ (to within 1e-6 of the bounds).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from .base import QuantileThreshold, Router, VariantConfig, linear_ramp
+from .base import Provenance, QuantileThreshold, Router, VariantConfig, linear_ramp
 from .linear_router import LinearScorer
 from .registry import register_variant
 
@@ -32,10 +39,11 @@ class LearnedTemperatureConfig(VariantConfig):
     calibration_momentum: float = 0.01
 
     def __post_init__(self) -> None:
-        if not 0 < self.temperature_min <= self.temperature_init <= self.temperature_max:
+        fixed = self.temperature_min == self.temperature_init == self.temperature_max
+        if not (0 < self.temperature_min < self.temperature_init < self.temperature_max or 0 < self.temperature_min and fixed):
             raise ValueError(
-                "need 0 < temperature_min <= temperature_init <= temperature_max, got "
-                f"{self.temperature_min}, {self.temperature_init}, {self.temperature_max}"
+                "need 0 < temperature_min < temperature_init < temperature_max (τ is a sigmoid between the bounds), "
+                f"or all three equal for a fixed τ; got {self.temperature_min}, {self.temperature_init}, {self.temperature_max}"
             )
         if self.entropy_weight < 0 or self.balance_weight < 0 or self.aux_warmup_steps < 0:
             raise ValueError("entropy_weight, balance_weight and aux_warmup_steps must be >= 0")
@@ -47,11 +55,27 @@ class LearnedTemperatureRouter(Router):
     def __init__(self, d_model: int, config: LearnedTemperatureConfig) -> None:
         super().__init__(config)
         self.scorer = LinearScorer(d_model)
-        self.temperature = nn.Parameter(torch.tensor(float(config.temperature_init)))
+        self.temperature_logit = nn.Parameter(torch.tensor(self.logit_of(config.temperature_init)))
         self.threshold = QuantileThreshold(config.calibration_momentum)
 
+    def logit_of(self, tau: float) -> float:
+        """θ with τ(θ) = tau (tau clamped to within 1e-6 of the bounds; 0 for a fixed τ)."""
+        lo, hi = self.config.temperature_min, self.config.temperature_max
+        if hi == lo:
+            return 0.0
+        u = min(max((tau - lo) / (hi - lo), 1e-6), 1 - 1e-6)
+        return math.log(u / (1 - u))
+
     def tau(self) -> Tensor:
-        return self.temperature.clamp(self.config.temperature_min, self.config.temperature_max)
+        lo, hi = self.config.temperature_min, self.config.temperature_max
+        return lo + (hi - lo) * torch.sigmoid(self.temperature_logit)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # A checkpoint of the clamped parameterisation holds τ itself under ``temperature``: convert.
+        old = state_dict.pop(prefix + "temperature", None)
+        if old is not None and prefix + "temperature_logit" not in state_dict:
+            state_dict[prefix + "temperature_logit"] = torch.tensor(self.logit_of(float(old)), dtype=old.dtype)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def score(self, x: Tensor) -> Tensor:
         # top-k of r equals top-k of sigmoid(r/τ) since τ > 0; the raw logit is the score.
@@ -81,7 +105,10 @@ class LearnedTemperatureRouter(Router):
         return LinearScorer.flops(d_model)
 
 
-@register_variant("learned_temperature", config=LearnedTemperatureConfig, source="an enwik8 MoD development report (2025, unpublished): v2 router, entropy + balance losses")
+@register_variant("learned_temperature", config=LearnedTemperatureConfig, source="an enwik8 MoD development report (2025, unpublished): v2 router, entropy + balance losses",
+                  # The report's router is soft (no top-k); τ is bounded by a sigmoid here, clamped there.
+                  provenance=Provenance("modbench's own", "paper's recipe", "modbench's own",
+                                        (("unpublished enwik8 MoD report (2025), v2 router", "secondary"),)))
 def build_learned_temperature(d_model: int, config: LearnedTemperatureConfig) -> LearnedTemperatureRouter:
-    """Linear router; delta × sigmoid(r/τ), τ learned in [0.1, 5]; entropy + balance losses."""
+    """Linear router; delta × sigmoid(r/τ), τ learned in (0.1, 5) via a sigmoid; entropy + balance losses."""
     return LearnedTemperatureRouter(d_model, config)

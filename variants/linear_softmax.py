@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import Router, RunningMean, VariantConfig, topk_membership
+from .base import Provenance, Router, RunningMean, VariantConfig, topk_membership
 from .linear_router import AuxPredictor, LinearScorer
 from .registry import register_variant
 
@@ -81,7 +81,11 @@ class LinearSoftmaxRouter(Router):
         return f + af, b + ab
 
 
-@register_variant("linear_softmax", config=LinearSoftmaxConfig, source="'Mixture of Depth is Vibe' blog (joey00072/ohara): linear router, softmax weights, aux router")
+@register_variant("linear_softmax", config=LinearSoftmaxConfig, source="'Mixture of Depth is Vibe' blog (joey00072/ohara): linear router, softmax weights, aux router",
+                  # The blog's code trains the aux router but leaves inference a TODO: deciding by its logit > 0
+                  # and the causal stand-in for the softmax weight are ours.
+                  provenance=Provenance("paper", "paper", "paper's recipe",
+                                        (("joey00072/ohara experiments/mixture_of_depth", "released code"),)))
 def build_linear_softmax(d_model: int, config: LinearSoftmaxConfig) -> LinearSoftmaxRouter:
     """Linear router; delta × softmax of the selected logits (non-causal); aux MLP predictor."""
     return LinearSoftmaxRouter(d_model, config)

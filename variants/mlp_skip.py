@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import QuantileThreshold, Router, VariantConfig
+from .base import Provenance, QuantileThreshold, Router, VariantConfig
 from .linear_router import LinearScorer
 from .registry import register_variant
 
@@ -49,7 +49,10 @@ class MlpSkipRouter(Router):
         return LinearScorer.flops(d_model)
 
 
-@register_variant("mlp_skip", config=MlpSkipConfig, source="an enwik8 MoD development report (2025, unpublished): v1 AdaptiveBlock, MLP really skipped")
+@register_variant("mlp_skip", config=MlpSkipConfig, source="an enwik8 MoD development report (2025, unpublished): v1 AdaptiveBlock, MLP really skipped",
+                  # The report masks the MLP output of every token; here the MLP runs on the top-k only.
+                  provenance=Provenance("paper's recipe", "paper", "modbench's own",
+                                        (("unpublished enwik8 MoD report (2025), v1 AdaptiveBlock", "secondary"),)))
 def build_mlp_skip(d_model: int, config: MlpSkipConfig) -> MlpSkipRouter:
     """Attention on all tokens; the MLP runs on the top-k only; delta × sigmoid(r)."""
     return MlpSkipRouter(d_model, config)

@@ -1,4 +1,4 @@
-"""``mode_staged``: Mixture-of-Depths-and-Experts, staged (Raposo et al. 2024 §4 / Figure 7).
+"""``mode_staged``: Mixture-of-Depths-and-Experts, staged (Raposo et al. 2024 §4.3 / Figure 7).
 
 Source: Raposo et al. 2024 (arXiv:2404.02258), "Mixture-of-Depths-and-Experts (MoDE)": MoD
 combined with a mixture-of-experts MLP. In the *staged* form the MoD router first decides
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Router, VariantConfig, topk_membership
+from .base import Provenance, Router, VariantConfig, topk_membership
 from .registry import register_variant
 from .sigmoid import SigmoidConfig, SigmoidRouter
 
@@ -46,7 +46,11 @@ class ModeStagedRouter(SigmoidRouter):
 
 
 @register_variant("mode_staged", config=ModeConfig,
-                  source="Raposo et al. 2024 §4, Mixture-of-Depths-and-Experts (staged), arXiv:2404.02258")
+                  source="Raposo et al. 2024 §4.3, Mixture-of-Depths-and-Experts (staged), arXiv:2404.02258",
+                  # The paper gives no equations for MoDE: the Switch-style top-1 mixture and its balance loss are ours.
+                  provenance=Provenance("paper's recipe", "paper's recipe", "paper's recipe",
+                                        (("Raposo et al. 2024 §4.3 / Figure 7", "secondary"),
+                                         ("Switch Transformer (arXiv:2101.03961) §2.1-2.2", "secondary"))))
 def build_mode_staged(d_model: int, config: ModeConfig) -> ModeStagedRouter:
     """MoD routing (sigmoid), then a top-1 mixture of expert MLPs on the processed tokens."""
     return ModeStagedRouter(d_model, config)
@@ -70,9 +74,9 @@ class ModeIntegratedConfig(VariantConfig):
 
 class ModeIntegratedRouter(Router):
     """``mode_integrated``: Mixture-of-Depths-and-Experts, integrated (Raposo et al. 2024,
-    arXiv:2404.02258, §4 "Mixture-of-Depths-and-Experts (MoDE)" and Figure 7, its integrated panel).
+    arXiv:2404.02258, §4.3 "Mixture-of-Depths-and-Experts (MoDE)" and Figure 7, its integrated panel).
 
-    What the paper describes (§4 text and Figure 7; it gives no equations for MoDE): *integrated*
+    What the paper describes (§4.3 text and Figure 7; it gives no equations for MoDE): *integrated*
     MoDE implements MoD routing by putting "no-op" experts among the conventional MLP experts, so
     one routing operation sends each token to an expert MLP or to a no-op (the residual path
     around the MLP); the paper contrasts it with the staged form, which routes before
@@ -160,7 +164,9 @@ class ModeIntegratedRouter(Router):
 
 
 @register_variant("mode_integrated", config=ModeIntegratedConfig,
-                  source="Raposo et al. 2024 §4 / Figure 7, Mixture-of-Depths-and-Experts (integrated), arXiv:2404.02258")
+                  source="Raposo et al. 2024 §4.3 / Figure 7, Mixture-of-Depths-and-Experts (integrated), arXiv:2404.02258",
+                  provenance=Provenance("paper's recipe", "paper's recipe", "paper's recipe",
+                                        (("Raposo et al. 2024 §4.3 / Figure 7", "secondary"),)))
 def build_mode_integrated(d_model: int, config: ModeIntegratedConfig) -> ModeIntegratedRouter:
     """One softmax over E expert MLPs + a no-op: top-k tokens by the experts' margin over the no-op run their top-1 expert."""
     return ModeIntegratedRouter(d_model, config)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Router, Routing, VariantConfig, topk_membership
+from .base import Provenance, Router, Routing, VariantConfig, topk_membership
 from .linear_router import LinearScorer
 from .registry import register_variant
 
@@ -98,7 +98,12 @@ class NestedRouter(Router):
 
 
 @register_variant("nested", config=NestedConfig,
-                  source="Mixture-of-Recursions, Bae et al. 2025 (arXiv:2507.10524) §2.2, expert-choice routing")
+                  source="Mixture-of-Recursions, Bae et al. 2025 (arXiv:2507.10524) §2.2, expert-choice routing",
+                  # MoR nests over recursion steps of one shared block; here over the routed layers of a stack. Its
+                  # code's "aux_loss" sampling is BCE on r with the decision sigmoid(r) >= 0.5, i.e. r >= 0.
+                  provenance=Provenance("paper's recipe", "paper", "paper's recipe",
+                                        (("Mixture-of-Recursions §2.2", "secondary"),
+                                         ("raymin0223/mixture_of_recursions expert_choice_router.py", "released code"))))
 def build_nested(d_model: int, config: NestedConfig) -> NestedRouter:
     """Top-k only among the tokens the previous routed layer processed; delta × α·sigmoid(r)."""
     return NestedRouter(d_model, config)

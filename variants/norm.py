@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import QuantileThreshold, Router, VariantConfig
+from .base import Provenance, QuantileThreshold, Router, VariantConfig
 from .registry import register_variant
 
 
@@ -46,7 +46,9 @@ class NormRouter(Router):
         return 2.0 * d_model, 0.0  # square and sum; the norm carries no gradient to the LM
 
 
-@register_variant("norm", config=NormConfig, source="nanochat MoD fork documentation (norm routing, Block.forward_mod)")
+@register_variant("norm", config=NormConfig, source="nanochat MoD fork documentation (norm routing, Block.forward_mod)",
+                  provenance=Provenance("paper", "paper", "modbench's own",
+                                        (("nanochat MoD fork documentation", "secondary"),)))
 def build_norm(d_model: int, config: NormConfig) -> NormRouter:
     """Parameter-free: score = L2 norm of the residual stream, top-k, unweighted."""
     return NormRouter(config)

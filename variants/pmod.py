@@ -1,19 +1,25 @@
 """``pmod``: p-MoD's router — TanhNorm weights and symmetric token reweighting (STRing).
 
 Source: Zhang et al. 2024, p-MoD: Building Mixture-of-Depths MLLMs via Progressive Ratio Decay
-(arXiv:2412.04449), §3.2–3.3. Three designs, all available here:
+(arXiv:2412.04449), §3.2–3.3, and its released code:
 
 - **TanhNorm**: the router's weight is w = α·tanh(r) + 1 with α = 0.2 (``alpha``), r = w_r·x + b,
-  so weights stay in [1 − α, 1 + α] and a processed token's update is x + w·Δ.
+  so weights stay in [1 − α, 1 + α].
+- **Where the weight goes** (``weight_scope``): "mlp" (default, as p-MoD's released code) weights
+  the MLP output only, so a processed token becomes x + attn + w·mlp; "block" weights the whole
+  block delta, x + w·(attn + mlp), as MoD does with its router weight.
 - **STRing** (symmetric token reweighting): tokens the layer *skips* are scaled by their weight
   as well, x ↦ w·x (Figure 2: "both the selected and skipped tokens are symmetrically scaled by
   their corresponding weights"), so the router gets a gradient from every token, not only the
   selected ones. Skipped rows are therefore not bit-identical for this variant, by design; the
   registry sweeps check them against w·x instead.
-- **Progressive ratio decay** (PRD): capacity falling over depth along a cosine. It is the
-  routing config's ``capacity_first`` (available to every variant); set it to use PRD.
+- **Progressive ratio decay** (PRD) is not a router option: modbench reparameterises it as the
+  routing config's ``capacity_first`` (capacity falling along a cosine from the first routed layer
+  to the last, available to every variant), which matches PRD's shape of a ratio decaying over
+  depth but is set by its two end points rather than by p-MoD's own schedule parameters.
 
-Decoding: p-MoD routes vision tokens in a bidirectional prefill. For a decoder the causal rule
+Decoding (modbench's own): p-MoD routes the vision tokens of a multimodal LLM, whose top-k runs
+over the image tokens of a sequence and so needs no causal rule. For a decoder the causal rule here
 is r > 0, taught by the auxiliary BCE towards top-k membership (as ``sigmoid``), and a skipped
 token is scaled by its own weight at decode time too, so decoding equals the causal forward.
 """
@@ -26,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Router, VariantConfig, topk_membership
+from .base import Provenance, Router, VariantConfig, topk_membership
 from .linear_router import LinearScorer
 from .registry import register_variant
 
@@ -36,8 +42,11 @@ class PModConfig(VariantConfig):
     alpha: float = 0.2  # TanhNorm: w = alpha·tanh(r) + 1
     string: bool = True  # STRing: scale skipped tokens by their weight too
     aux_weight: float = 0.01  # BCE of r against top-k membership (the causal rule r > 0)
+    weight_scope: str = "mlp"  # "mlp": x + attn + w·mlp (p-MoD's released code); "block": x + w·(attn + mlp)
 
     def __post_init__(self) -> None:
+        if self.weight_scope not in ("mlp", "block"):
+            raise ValueError(f"weight_scope must be 'mlp' or 'block', got {self.weight_scope!r}")
         if not 0.0 < self.alpha < 1.0:
             raise ValueError(f"alpha must be in (0, 1) (weights stay positive), got {self.alpha}")
         if self.aux_weight < 0:
@@ -50,6 +59,7 @@ class PModRouter(Router):
     def __init__(self, d_model: int, config: PModConfig) -> None:
         super().__init__(config)
         self.scorer = LinearScorer(d_model)
+        self.weight_scope = config.weight_scope
 
     def score(self, x: Tensor) -> Tensor:
         return self.scorer(x)
@@ -78,7 +88,11 @@ class PModRouter(Router):
         return LinearScorer.flops(d_model)
 
 
-@register_variant("pmod", config=PModConfig, source="p-MoD, Zhang et al. 2024 (arXiv:2412.04449) §3.2-3.3")
+@register_variant("pmod", config=PModConfig, source="p-MoD, Zhang et al. 2024 (arXiv:2412.04449) §3.2-3.3 and its released code",
+                  # Selection over every token of a decoder, not over an MLLM's vision tokens.
+                  provenance=Provenance("paper's recipe", "paper", "modbench's own",
+                                        (("p-MoD §3.2-3.3", "secondary"),
+                                         ("MCG-NJU/p-MoD pmod_llava_llama.py (ModLayer)", "released code"))))
 def build_pmod(d_model: int, config: PModConfig) -> PModRouter:
-    """TanhNorm weight 0.2·tanh(r)+1 on processed deltas; STRing scales skipped tokens by it too."""
+    """TanhNorm weight 0.2·tanh(r)+1 on processed tokens' MLP output; STRing scales skipped tokens by it too."""
     return PModRouter(d_model, config)

@@ -1,6 +1,6 @@
 """Variant registry, after timm's model registry.
 
-``@register_variant("name", config=Cfg, source="…")`` on a builder ``(d_model, config) ->
+``@register_variant("name", config=Cfg, source="…", provenance=Provenance(…))`` on a builder ``(d_model, config) ->
 Router`` makes a variant known; ``list_variants("mod_*")`` filters with shell wildcards;
 ``get_variant`` fails with the registered names and the closest match. Third-party packages
 add variants without forking by exposing a module under the entry-point group
@@ -20,7 +20,7 @@ from typing import Any
 
 from modbench.errors import ModbenchError, accepted
 
-from .base import Router, VariantConfig
+from .base import Provenance, Router, VariantConfig
 
 ENTRY_POINT_GROUP = "modbench.variants"
 
@@ -32,6 +32,7 @@ class VariantSpec:
     config_cls: type[VariantConfig]
     source: str
     summary: str
+    provenance: Provenance | None = None  # None: a plugin that did not state it
 
     @property
     def scope(self) -> str:
@@ -94,14 +95,16 @@ _SCOPES: dict[str, str] = {}
 _plugins_loaded = False
 
 
-def register_variant(name: str, *, config: type[VariantConfig], source: str):
-    """Decorator registering ``builder(d_model, config) -> Router`` under ``name``."""
+def register_variant(name: str, *, config: type[VariantConfig], source: str, provenance: Provenance | None = None):
+    """Decorator registering ``builder(d_model, config) -> Router`` under ``name``; ``provenance``
+    says which parts follow the cited source and how the citation was checked (every built-in
+    variant states it)."""
 
     def wrap(builder: Callable[[int, VariantConfig], Router]):
         if name in _REGISTRY and _REGISTRY[name].builder is not builder:
             raise ValueError(f"variant {name!r} is already registered")
         summary = (builder.__doc__ or "").strip().splitlines()[0] if builder.__doc__ else ""
-        _REGISTRY[name] = VariantSpec(name, builder, config, source, summary)
+        _REGISTRY[name] = VariantSpec(name, builder, config, source, summary, provenance)
         return builder
 
     return wrap

@@ -1,10 +1,13 @@
-"""``sigmoid``: linear router, block delta weighted by sigmoid(r).
+"""``sigmoid``: linear router, block delta weighted by sigmoid(r) (or by r itself).
 
-Source: the "Mixture of Depth is Vibe" blog's (joey00072/ohara) causal-friendly alternative to the softmax ("replace softmax with sigmoid
-... doesn't break causality") and the paper's router-weight path (Raposo et al. 2024 §3.3:
-the block output is multiplied by the router weight so the router is trained by the LM
-loss). The optional auxiliary BCE loss (§3.5, method 1) pushes r > 0 exactly for top-k
-members, so ``r > 0`` is the causal rule at decode time.
+Source: the paper's router-weight path (Raposo et al. 2024, arXiv:2404.02258, §3.4 "Routing
+implementation": x' = r·f(x̃) + x for the top-k tokens — the block output multiplied by the *raw*
+router weight r = w·x, so the router is trained by the LM loss) and the "Mixture of Depth is Vibe"
+blog's (joey00072/ohara) causal-friendly alternative to the softmax ("replace softmax with sigmoid
+... doesn't break causality"), which is where sigmoid(r) comes from. ``weighting`` picks the form:
+"sigmoid" (default, the blog's) or "raw" (the paper's r). The optional auxiliary BCE loss (§3.5,
+method 1) pushes r > 0 exactly for top-k members, so ``r > 0`` is the causal rule at decode time
+(for "raw", the processed tokens' weights are then positive, as the top-k's are once r > 0 holds).
 """
 
 from __future__ import annotations
@@ -15,9 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Router, VariantConfig, topk_membership
+from .base import Provenance, Router, VariantConfig, topk_membership
 from .linear_router import LinearScorer
 from .registry import register_variant
+
+
+WEIGHTINGS = ("sigmoid", "raw")
 
 
 @dataclass(frozen=True)
@@ -26,10 +32,14 @@ class SigmoidConfig(VariantConfig):
     # False: the delta is added unweighted. The router then gets no gradient from the LM loss
     # (only the aux BCE towards its own top-k): selection without a trained gate, a control.
     gate: bool = True
+    # How the gate weights the delta: "sigmoid" (sigmoid(r), the blog's) or "raw" (r, Raposo et al. §3.4).
+    weighting: str = "sigmoid"
 
     def __post_init__(self) -> None:
         if self.aux_weight < 0:
             raise ValueError(f"aux_weight must be >= 0, got {self.aux_weight}")
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {', '.join(map(repr, WEIGHTINGS))}, got {self.weighting!r}")
 
 
 class SigmoidRouter(Router):
@@ -43,7 +53,9 @@ class SigmoidRouter(Router):
         return self.scorer(x)
 
     def mix_weight(self, selected_scores: Tensor, scores: Tensor) -> Tensor | None:
-        return torch.sigmoid(selected_scores) if self.config.gate else None
+        if not self.config.gate:
+            return None
+        return selected_scores if self.config.weighting == "raw" else torch.sigmoid(selected_scores)
 
     def aux_losses(self, x: Tensor, scores: Tensor, index: Tensor) -> dict[str, Tensor]:
         if self.config.aux_weight == 0:
@@ -60,7 +72,12 @@ class SigmoidRouter(Router):
         return LinearScorer.flops(d_model)
 
 
-@register_variant("sigmoid", config=SigmoidConfig, source="Raposo et al. 2024 §3.3/§3.5; 'Mixture of Depth is Vibe' blog (joey00072/ohara)")
+@register_variant("sigmoid", config=SigmoidConfig,
+                  source="Raposo et al. 2024 §3.4 (eq. 1), §3.5; 'Mixture of Depth is Vibe' blog (joey00072/ohara)",
+                  # Weighting: the paper's router-weight path with the blog's sigmoid (weighting="raw": the paper's r).
+                  provenance=Provenance("paper", "paper's recipe", "paper's recipe",
+                                        (("Raposo et al. 2024 §3.4, §3.5", "secondary"),
+                                         ("'Mixture of Depth is Vibe' blog (joey00072/ohara)", "paper's text"))))
 def build_sigmoid(d_model: int, config: SigmoidConfig) -> SigmoidRouter:
-    """Linear router; delta × sigmoid(r); optional aux BCE so r > 0 is the causal rule."""
+    """Linear router; delta × sigmoid(r) (or × r); optional aux BCE so r > 0 is the causal rule."""
     return SigmoidRouter(d_model, config)

@@ -4,7 +4,7 @@ Expert choice (top-k, the rest of modbench) fixes how many tokens a layer proces
 every token decides from its own score, so the count varies per sequence and the training
 rule *is* the decoding rule — no top-k, nothing to imitate at decode time.
 
-- ``token_choice`` (Raposo et al. 2024, arXiv:2404.02258, §3.1 "Routing schemes": token-choice
+- ``token_choice`` (Raposo et al. 2024, arXiv:2404.02258, §3.3 "Routing schemes": token-choice
   routing, where a router per token picks its path and a balancing loss keeps the load near
   the capacity): process a token iff sigmoid(r) ≥ 0.5, r = w·x + b; its delta is weighted by
   sigmoid(r) (the router's gradient path); balancing loss (share processed − C)², the share
@@ -13,18 +13,33 @@ rule *is* the decoding rule — no top-k, nothing to imitate at decode time.
 - ``threshold`` (Router-Tuning, arXiv:2410.13184 §3; MoDification, arXiv:2410.14268 §3):
   process a token iff p = sigmoid(w·RMSNorm(x) + b) ≥ τ. The delta is multiplied by the hard
   decision with a straight-through estimator (forward 1, backward ∂p), so a processed
-  token's output is exactly x + delta, and the capacity penalty relu(mean(mask) − C) (with
-  the same estimator) pushes the processed share down to C.
+  token's output is exactly x + delta, and the budget penalty |mean(mask) − C| (with the same
+  estimator; option ``budget``) pulls the processed share towards C from both sides.
+  ``budget="one_sided"``, relu(mean(mask) − C), only pushes down: skipped tokens get no LM
+  gradient, so nothing pulled the share back up, and it collapsed to ~0 (7.6e-6 at C = 0.125 in
+  methods_shootout, issue 26). Measured with the two-sided default (methods_shootout's threshold
+  arm, seed 0, 7e12 FLOPs, 2-core CPU): no collapse, logged shares averaging about C, but they swing
+  between ~0.002 and ~0.25 from one logged step to the next (penalty weight 0.1, 0.3 and 1 alike),
+  so the share is *not* held within [C/2, 2C]; causal bpb 2.417 (weight 0.1), as before.
+  Differences from Router-Tuning that remain (as the issue reports RT; its code not re-read here):
+  RT tunes routers on a frozen pretrained model, here router and model train jointly from scratch;
+  RT's router has no bias, this one has; RT's default routes attention per sequence, this routes
+  whole blocks per token; the RMSNorm before the router is modbench's own; RT computes the update
+  of every token and multiplies it by the straight-through mask, so skipped tokens get a gradient,
+  while here only the k_max slots run and a skipped token gets none; the budget penalty is ours.
 
-**Batched execution (the choice the issue asks us to state):** a fixed k_max = ⌈slack · C · T⌉
-slots per sequence (``slack`` option, default 2), static shapes and no host sync; the
+**Batched execution (the choice the issue asks us to state):** a fixed k_max = min(T, ⌈slack · k⌉)
+slots per sequence, k = max(1, ⌊C·T⌋) the count of every fixed-count router at capacity C and the
+target of the load losses (``slack`` option, default 2; C = 0.125, T = 100: k = 12, k_max = 24),
+static shapes and no host sync; the
 processed tokens are the ones above the threshold among the k_max highest scores, in
 ascending position order. A sequence with more than k_max tokens above threshold drops its
 lowest-scoring ones (the overflow, logged as the ``overflow`` statistic): only then does a
 later token's score change an earlier decision, and only then do training and decoding
-differ. Analytic FLOPs count the k_max slots the block runs (what ``FlopCounterMode`` sees);
-the routing statistic ``fraction`` and the causal evaluation report the realised share, and
-``modbench.model.sizing.decode_flops_per_token`` the cost at that share.
+differ. Analytic training FLOPs count the k_max slots the block runs (what ``FlopCounterMode``
+sees); the routing statistic ``fraction`` and the causal evaluation report the realised share, and
+``modbench.model.sizing.decode_flops_per_token`` the cost at that share: decoding runs exactly the
+processed tokens, so it is what a fixed-count router pays at the same share (no slots).
 """
 
 from __future__ import annotations
@@ -36,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Router, Routing, VariantConfig
+from .base import Provenance, Router, Routing, VariantConfig
 from .linear_router import LinearScorer
 from .registry import register_variant
 
@@ -44,7 +59,7 @@ from .registry import register_variant
 @dataclass(frozen=True)
 class TokenChoiceConfig(VariantConfig):
     balance_weight: float = 0.01  # weight of (share processed − C)²
-    slack: float = 2.0  # k_max = ⌈slack · C · T⌉ slots per sequence
+    slack: float = 2.0  # k_max = min(T, ⌈slack · k⌉) slots per sequence, k = max(1, ⌊C·T⌋)
 
     def __post_init__(self) -> None:
         if self.balance_weight < 0:
@@ -53,15 +68,23 @@ class TokenChoiceConfig(VariantConfig):
             raise ValueError(f"slack must be in [1, 64], got {self.slack}")
 
 
+BUDGETS = ("two_sided", "one_sided")
+
+
 @dataclass(frozen=True)
 class ThresholdConfig(VariantConfig):
     tau: float = 0.5  # process iff sigmoid(w·norm(x)) >= tau
-    penalty_weight: float = 0.1  # weight of relu(mean(mask) − C)
+    penalty_weight: float = 0.1  # weight of the budget penalty on the processed share
     slack: float = 2.0
+    # "two_sided": |share − C| (pulls a share below C back up); "one_sided": relu(share − C), which
+    # only pushes down and let the share collapse to ~0 (issue 26).
+    budget: str = "two_sided"
 
     def __post_init__(self) -> None:
         if not 0.0 < self.tau < 1.0:
             raise ValueError(f"tau must be in (0, 1), got {self.tau}")
+        if self.budget not in BUDGETS:
+            raise ValueError(f"budget must be one of {', '.join(map(repr, BUDGETS))}, got {self.budget!r}")
         if self.penalty_weight < 0:
             raise ValueError(f"penalty_weight must be >= 0, got {self.penalty_weight}")
         if not 1.0 <= self.slack <= 64:
@@ -91,6 +114,12 @@ class VariableCountRouter(Router):
         return self.scorer(x)
 
     def tokens_run(self, k: int, seq_len: int) -> int:
+        """k_max = min(T, ⌈slack · k⌉) with k = max(1, ⌊C·T⌋) the fixed-count routers' k: slack
+        times the count the load loss aims at (k/T), so the slack is exact at every T (a k_max of
+        ⌈slack·C·T⌉ would give the rounding of C·T to the slots, not to the target). Decoding runs
+        no slots (``count_batched_slots`` off): exactly k."""
+        if not self.count_batched_slots:
+            return k
         return min(seq_len, math.ceil(round(self.config.slack * k, 9)))
 
     def decide_causal(self, x: Tensor) -> Tensor:
@@ -158,7 +187,8 @@ class ThresholdRouter(VariableCountRouter):
         return straight_through(valid, p)
 
     def load_losses(self, p: Tensor, capacity: float) -> dict[str, Tensor]:
-        return {"capacity_penalty": F.relu(straight_through(p >= self.threshold, p).mean() - capacity)}
+        excess = straight_through(p >= self.threshold, p).mean() - capacity
+        return {"capacity_penalty": excess.abs() if self.config.budget == "two_sided" else F.relu(excess)}
 
     def aux_weights(self, step: int) -> dict[str, float]:
         return {"capacity_penalty": self.config.penalty_weight}
@@ -168,14 +198,22 @@ class ThresholdRouter(VariableCountRouter):
 
 
 @register_variant("token_choice", config=TokenChoiceConfig,
-                  source="Raposo et al. 2024 §3.1 (token-choice routing, arXiv:2404.02258)")
+                  source="Raposo et al. 2024 §3.3 (token-choice routing, arXiv:2404.02258)",
+                  # The paper describes token choice and prefers expert choice: the rule sigmoid(r) >= 0.5, the
+                  # weight, the balance loss on the straight-through share and the k_max slots are ours.
+                  provenance=Provenance("paper's recipe", "paper's recipe", "paper's recipe",
+                                        (("Raposo et al. 2024 §3.3", "secondary"),)))
 def build_token_choice(d_model: int, config: TokenChoiceConfig) -> TokenChoiceRouter:
     """Each token decides: process iff sigmoid(r) > 0.5, delta × sigmoid(r), balance loss to C."""
     return TokenChoiceRouter(d_model, config)
 
 
 @register_variant("threshold", config=ThresholdConfig,
-                  source="Router-Tuning (arXiv:2410.13184) §3; MoDification (arXiv:2410.14268) §3")
+                  source="Router-Tuning (arXiv:2410.13184) §3; MoDification (arXiv:2410.14268) §3",
+                  # Router-Tuning tunes routers on a frozen base, without a bias, routing attention per sequence by
+                  # default; here: joint training from scratch, whole blocks, a bias and an RMSNorm of our own.
+                  provenance=Provenance("paper's recipe", "paper's recipe", "paper's recipe",
+                                        (("Router-Tuning §3", "secondary"), ("MoDification §3", "secondary"))))
 def build_threshold(d_model: int, config: ThresholdConfig) -> ThresholdRouter:
-    """Process iff sigmoid(w·norm(x)) >= τ, straight-through, capacity penalty relu(mean − C)."""
+    """Process iff sigmoid(w·norm(x)) >= τ, straight-through, budget penalty |mean − C|."""
     return ThresholdRouter(d_model, config)

@@ -1,4 +1,4 @@
-"""``modbench variants``: the registered routing variants, their sources and config fields."""
+"""``modbench variants``: the registered routing variants, their sources, provenance and config fields."""
 
 from __future__ import annotations
 
@@ -18,8 +18,17 @@ def describe_variants(pattern: str = "*") -> list[dict]:
             f.name: (f.default if f.default is not MISSING else None) for f in fields(spec.config_cls)
         }
         scope = spec.build(8).scope
-        rows.append({"name": name, "scope": scope, "summary": spec.summary, "source": spec.source, "config": cfg_fields})
+        rows.append({"name": name, "scope": scope, "summary": spec.summary, "source": spec.source,
+                     "provenance": _provenance(spec.provenance), "config": cfg_fields})
     return rows
+
+
+def _provenance(p: variants.Provenance | None) -> dict | None:
+    """The registry's provenance as plain data (None: a plugin that did not state it)."""
+    if p is None:
+        return None
+    return {"selection": p.selection, "weighting": p.weighting, "decode": p.decode,
+            "citations": [{"citation": c, "checked": how} for c, how in p.citations], "text": p.cell()}
 
 
 def run(args) -> int:
@@ -35,11 +44,12 @@ def run(args) -> int:
     from rich.table import Table
 
     table = Table(title=f"modbench variants ({len(rows)})", show_lines=True)
-    for col in ("variant", "skips", "what it does", "source", "config (defaults)"):
+    for col in ("variant", "skips", "what it does", "source", "provenance", "config (defaults)"):
         table.add_column(col, overflow="fold")
     for r in rows:
         cfg = "\n".join(f"{k}={v}" for k, v in r["config"].items()) or "-"
-        table.add_row(r["name"], r["scope"], r["summary"], r["source"], cfg)
+        provenance = r["provenance"]["text"] if r["provenance"] else "(not stated)"
+        table.add_row(r["name"], r["scope"], r["summary"], r["source"], provenance, cfg)
     Console(width=max(Console().width, 140)).print(table)
     return 0
 

@@ -89,8 +89,9 @@ class RoutingConfig:
     pattern: str = "alternate"
     options: dict[str, Any] = field(default_factory=dict)  # the variant's own config fields
     # Capacity over depth: None keeps every routed layer at ``capacity``; a value is the first
-    # routed layer's capacity, decaying to ``capacity`` at the last along a cosine (p-MoD's
-    # progressive ratio decay, Zhang et al. 2024, arXiv:2412.04449 §3.3). Every variant can use it.
+    # routed layer's capacity, decaying to ``capacity`` at the last along a cosine: a
+    # reparameterisation, by its two end points, of p-MoD's progressive ratio decay (Zhang et al.
+    # 2024, arXiv:2412.04449 §3.3; its code decays over every layer index). Every variant can use it.
     capacity_first: float | None = None
     # Capacity warm-up: every routed layer starts at capacity 1.0 and falls to its own capacity
     # along a cosine over this many training steps (0: none). Training FLOPs count each step at
@@ -122,7 +123,17 @@ class RoutingConfig:
         return self.capacity == 1.0 and self.capacity_first in (None, 1.0)
 
     def routed_layers(self, n_layer: int) -> tuple[bool, ...]:
-        return parse_pattern(self.pattern, n_layer)
+        """Per-layer flags, True where routed. A routed config (a variant other than ``dense``,
+        capacity below 1) whose pattern routes no layer of the model is refused: it would
+        silently train the dense model under the variant's name."""
+        flags = parse_pattern(self.pattern, n_layer)
+        if not any(flags) and self.variant != "dense" and not self.is_dense:
+            raise ModbenchError(
+                f"routing.pattern {self.pattern!r} routes no layer of a {n_layer}-layer model, so variant "
+                f"{self.variant!r} would train dense: expected a pattern that routes at least one layer "
+                f"('all', 'alternate' at depth >= 2, 'every:K' with K <= {n_layer}, a D/M string with an M in its first {n_layer})"
+            )
+        return flags
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "options"}

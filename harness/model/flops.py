@@ -12,7 +12,11 @@ Conventions (the same for every variant, so ratios are comparable):
   SDPA path); tests cross-check that convention.
 - A routed layer processes k = capacity.k(T) tokens: projections at k, attention at k pairs
   ((k(k+1)/2 causal), plus its router on all T tokens (the router's own count, auxiliary
-  predictors included). ``mlp_skip`` keeps attention at T and the MLP at k.
+  predictors included). ``mlp_skip`` keeps attention at T and the MLP at k. A variable-count
+  router (``token_choice``, ``threshold``) runs k_max = min(T, ⌈slack·k⌉) slots in the batched
+  forward, and those are what is counted; decoding runs exactly the tokens its rule processes, so
+  its decode cost at a realised share is a fixed-count router's at that share
+  (``modbench.model.sizing.decode_flops_per_token``).
 - A layer whose attention the next router reads (``amod``) materialises its full L × L score
   matrix once more for that router: 2·d·L² FLOPs, counted in its ``router`` part, no backward
   (the scores are detached).

@@ -228,11 +228,12 @@ class Block(nn.Module):
         self.mlp = TopOneMoE(cfg.width, cfg.mlp_ratio, experts, noop_expert) if experts else MLP(cfg.width, cfg.mlp_ratio)
 
     def attention(self, x: Tensor, cos: Tensor, sin: Tensor, *, mask: Tensor | None = None, cache=None,
-                  keep: Tensor | None = None, rows: Tensor | None = None) -> Tensor:
-        """attn(norm1(x)): causal, under an explicit boolean mask, or through a KV cache."""
+                  keep: Tensor | None = None, rows: Tensor | None = None, bound: int | None = None) -> Tensor:
+        """attn(norm1(x)): causal, under an explicit boolean mask, or through a KV cache (``keep``,
+        ``rows``, ``bound``: see ``LayerCache.attend``)."""
         h = self.norm1(x)
         if cache is not None:
-            return cache.attend(self.attn, h, cos, sin, keep=keep, rows=rows)
+            return cache.attend(self.attn, h, cos, sin, keep=keep, rows=rows, bound=bound)
         if mask is not None:
             return self.attn.forward_masked(h, cos, sin, mask)
         return self.attn(h, cos, sin)
@@ -240,9 +241,11 @@ class Block(nn.Module):
     def mlp_delta(self, x: Tensor) -> Tensor:
         return self.mlp(self.norm2(x))
 
-    def delta(self, x: Tensor, cos: Tensor, sin: Tensor, **attention: object) -> Tensor:
+    def delta(self, x: Tensor, cos: Tensor, sin: Tensor, mlp_weight: Tensor | None = None, **attention: object) -> Tensor:
+        """attn + mlp, or attn + w·mlp with ``mlp_weight`` w of shape (B, T) (p-MoD's weighting)."""
         a = self.attention(x, cos, sin, **attention)
-        return a + self.mlp_delta(x + a)
+        m = self.mlp_delta(x + a)
+        return a + (m if mlp_weight is None else m * mlp_weight.unsqueeze(-1).to(m.dtype))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         return x + self.delta(x, cos, sin)
@@ -299,11 +302,17 @@ class RoutedBlock(nn.Module):
             return x + self.block.attention(x, cos, sin, **attention)
         return x
 
-    def routed_delta(self, x: Tensor, cos: Tensor, sin: Tensor, **attention: object) -> Tensor:
-        """The routed tokens' delta: the whole block, or the MLP alone for scope "mlp"."""
+    def routed_delta(self, x: Tensor, cos: Tensor, sin: Tensor, mlp_weight: Tensor | None = None,
+                     **attention: object) -> Tensor:
+        """The routed tokens' delta: the whole block, or the MLP alone for scope "mlp". A router
+        whose weight multiplies the MLP output only (``weight_scope == "mlp"``, p-MoD) gets it here:
+        ``mlp_weight`` from the top-k routing, else (causal mode, decoding) the token's own
+        ``causal_weight``."""
         if self.router.scope == "mlp":
             return self.block.mlp_delta(x)
-        return self.block.delta(x, cos, sin, **attention)
+        if self.router.weight_scope == "mlp" and mlp_weight is None:
+            mlp_weight = self.router.causal_weight(x, None)
+        return self.block.delta(x, cos, sin, mlp_weight=mlp_weight, **attention)
 
     def skipped(self, x: Tensor) -> Tensor:
         """What a skipped token's residual stream becomes: x itself (bit for bit), or x scaled by the
@@ -313,7 +322,7 @@ class RoutedBlock(nn.Module):
 
     def mix_causal(self, x: Tensor, decide: Tensor, delta: Tensor) -> Tensor:
         """x + w·delta where ``decide``, ``skipped(x)`` elsewhere: causal mode and decoding."""
-        weight = self.router.causal_weight(x, decide)
+        weight = self.router.causal_weight(x, decide) if self.router.weight_scope == "block" else None
         if weight is not None:
             delta = delta * weight.unsqueeze(-1).to(delta.dtype)
         return torch.where(decide.unsqueeze(-1), x + delta, self.skipped(x))
@@ -330,11 +339,13 @@ class RoutedBlock(nn.Module):
         pos = r.index.reshape(-1)  # the selected tokens keep the RoPE angles of their own positions
         cs = cos.index_select(0, pos).view(B, 1, k, -1)
         sn = sin.index_select(0, pos).view(B, 1, k, -1)
+        weight_mlp = self.router.weight_scope == "mlp" and r.weight is not None  # p-MoD: x + attn + w·mlp
+        mlp_weight = r.weight.squeeze(-1) if weight_mlp else None
         if r.valid is None:
-            delta = self.routed_delta(xs, cs, sn)
+            delta = self.routed_delta(xs, cs, sn, mlp_weight)
         else:  # a variable count: unused slots are no keys, and their delta is zeroed (rows unchanged)
-            delta = self.routed_delta(xs, cs, sn, mask=subset_mask(r.valid)) * r.valid.unsqueeze(-1).to(xs.dtype)
-        if r.weight is not None:
+            delta = self.routed_delta(xs, cs, sn, mlp_weight, mask=subset_mask(r.valid)) * r.valid.unsqueeze(-1).to(xs.dtype)
+        if r.weight is not None and not weight_mlp:
             delta = delta * r.weight.to(delta.dtype)
         # Under autocast the delta leaves the linears in bf16 while the residual stream stays fp32.
         delta = delta.reshape(B * k, d).to(flat.dtype)
@@ -451,10 +462,17 @@ class GPT(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self._init_weights()
 
+    def router_parameters(self) -> list[nn.Parameter]:
+        """Every parameter a router owns, chosen by identity: a router that binds block modules
+        (``mode_integrated``'s gate and norm, registered under ``block.`` first) owns them too,
+        which a test on the parameter's name would miss."""
+        return list({id(p): p for r in self.routers for p in r.parameters()}.values())
+
     def _init_weights(self) -> None:
         # GPT-2 init: N(0, 0.02), residual projections scaled by 1/√(2·n_layer).
+        owned_by_routers = {id(p) for p in self.router_parameters()}
         for name, p in self.named_parameters():
-            if ".router." in name:
+            if id(p) in owned_by_routers:
                 continue  # routers initialise themselves
             if p.dim() == 2:
                 std = 0.02 / math.sqrt(2 * self.cfg.layers) if name.endswith("proj.weight") else 0.02

@@ -43,10 +43,15 @@ def flops_per_token(model: ModelConfig, routing: RoutingConfig, seq_len: int) ->
 def decode_flops_per_token(model: ModelConfig, routing: RoutingConfig, seq_len: int, fraction: float) -> float:
     """Forward FLOPs per token when routed layers process ``fraction`` of the tokens: the cost of
     the causal (decode-time) rule at its realised fraction rather than at the nominal capacity.
-    A fraction of 1 (or a dense model) is the dense forward cost."""
+    A fraction of 1 (or a dense model) is the dense forward cost. Decoding runs exactly the tokens
+    the rule processes, so a variable-count router (``token_choice``, ``threshold``) is charged
+    what a fixed-count router pays at the same share, not its training-time k_max slots."""
     fraction = min(1.0, max(fraction, 1.0 / seq_len))
     with torch.device("meta"):
-        return GPT(model, replace(routing, capacity=fraction)).flops_per_token(seq_len, backward=False)
+        gpt = GPT(model, replace(routing, capacity=fraction))
+    for router in gpt.routers:
+        router.count_batched_slots = False
+    return gpt.flops_per_token(seq_len, backward=False)
 
 
 def non_embedding_params(model: ModelConfig, routing: RoutingConfig) -> int:

@@ -82,8 +82,9 @@ def build_optimizer(model: GPT, cfg: RunConfig) -> torch.optim.AdamW:
     lr = t.lr * (lr_scale(cfg.model.width) if t.scale_hparams else 1.0)
     wd = t.weight_decay * (wd_scale(cfg.model.layers) if t.scale_hparams else 1.0)
     decay, no_decay, router = [], [], []
-    for name, p in model.named_parameters():
-        if ".router." in name:
+    router_ids = {id(p) for p in model.router_parameters()}  # by identity: see GPT.router_parameters
+    for p in model.parameters():
+        if id(p) in router_ids:
             router.append(p)
         elif p.dim() >= 2:
             decay.append(p)
