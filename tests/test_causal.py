@@ -308,3 +308,50 @@ def test_every_routing_path_runs_the_one_block_implementation(name, monkeypatch)
         with torch.no_grad():
             run()
         assert calls.get("attention", 0) >= 3 and calls.get("mlp_delta", 0) >= 2, calls
+
+
+# --- KV-cached decoding at batch 1 and at a batch whose sequences skip different tokens ---------
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("batch", [1, 5])
+def test_cached_generation_equals_the_causal_forward_at_batch_1_and_5(name, batch):
+    """Batch 1 takes the cache's uniform path (slice writes, no mask) at every layer; batch 5 has
+    decode steps where all, some and none of the sequences process a token."""
+    m = model(name)
+    prompt = torch.randint(0, 256, (batch, 4), generator=torch.Generator().manual_seed(batch))
+    out = generate(m, prompt, 12, temperature=0, return_logits=True)
+    full = m(out.tokens[:, :-1], routing_mode="causal").logits
+    torch.testing.assert_close(out.logits, full, atol=1e-5, rtol=1e-5)
+    if name in ROUTED:
+        m.set_collect_stats(True)
+        try:
+            stats = m(out.tokens[:, :-1], routing_mode="causal").stats
+        finally:
+            m.set_collect_stats(False)
+        expected = [s["decide"].float().mean().item() for s in stats]  # what each routed layer processed
+        assert out.processed_shares == pytest.approx(expected)
+        assert out.skipped_fraction == pytest.approx(1 - sum(expected) / len(expected))
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "mlp_skip", "nested", "dense"])
+def test_a_decode_step_reads_the_device_at_most_once_per_routed_layer(name, monkeypatch):
+    """Host syncs per decode step: one per routed layer (which sequences process the token, and the
+    cache's new bound, read together), none at a dense layer or for the bookkeeping."""
+    m = model(name)
+    n_routed = len(m.routers)
+    decoder = Decoder(m, 3, 20)
+    with torch.no_grad():
+        feed = decoder(torch.randint(0, 256, (3, 4)))[:, -1:].argmax(-1)  # prefill (its syncs are per prompt)
+    reads = []
+    for method in ("item", "tolist", "__int__", "__bool__", "__float__", "nonzero"):
+        original = getattr(torch.Tensor, method)
+
+        def counted(self, *a, _original=original, _name=method, **k):
+            reads.append(_name)
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    steps = 6
+    with torch.no_grad():
+        for _ in range(steps):
+            feed = decoder(feed)[:, -1:].argmax(-1)
+    assert len(reads) == steps * n_routed, reads

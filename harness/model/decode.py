@@ -17,10 +17,14 @@ Generation (``Decoder``, ``generate``)
     is never needed again. The extra last slot is a bin for the writes of skipped tokens
     (one batched scatter, no per-sequence branches); it is never read. Cost: the buffers are
     allocated for the worst case (every token processed: the dense cache size); a routed
-    layer reads only ``max_b lengths[b]`` slots, which takes one host sync per routed layer
-    and step. A decode step routes first and then runs the block only on the sequences that
-    process the token (all of them, none, or a gathered subset), so skipping saves the
-    block's work; the subset gather copies those sequences' caches.
+    layer reads only ``max_b lengths[b]`` slots. A decode step routes first and then runs the
+    block only on the sequences that process the token (all of them, none, or a gathered
+    subset), so skipping saves the block's work; the subset gather copies those sequences'
+    caches. Which sequences process the token and the cache's new ``max lengths`` are read
+    in one host sync per routed layer and step (the subset's size fixes the shapes); dense
+    layers and bookkeeping read nothing. While every sequence holds the same number of slots
+    (dense layers; any layer at batch 1) appends are slice writes and a one-token query needs
+    no mask.
 
 Calibrating the causal rules and measuring the train/inference gap live in
 ``modbench.run.causal_eval``.
@@ -53,51 +57,96 @@ class LayerCache:
         self.v = torch.zeros_like(self.k)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.bound = 0  # host-side max(lengths): how many slots attention must read
+        # True while every sequence holds the same number of slots (= bound): then appends are
+        # slice writes and a one-token query needs no mask. Always true for one sequence.
+        self.uniform = True
 
     def attend(self, attn: Attention, h: Tensor, cos: Tensor, sin: Tensor,
-               keep: Tensor | None, rows: Tensor | None = None) -> Tensor:
+               keep: Tensor | None, rows: Tensor | None = None, bound: int | None = None) -> Tensor:
         """Attention output for new tokens ``h`` (b, n, d) appended to the cache.
 
-        keep: (b, n) bool, which new tokens write K/V (None: all of them, a dense layer).
+        keep: (b, n) bool, which new tokens write K/V (None: all of them).
         rows: which sequences of the batch ``h`` holds (None: all, in order).
+        bound: max(lengths) after this append when the caller knows it (a decode step reads it
+        with its routing decisions, in one host sync); None: computed here.
         A new query sees the processed tokens of its sequence up to and including itself.
         Queries of skipped tokens get a finite but meaningless output (the caller discards
         it): they see the processed tokens before them, or slot 0 when there are none.
         """
         q, k, v = attn.project(h, cos, sin)
         b, n = h.shape[:2]
-        lengths = self.lengths if rows is None else self.lengths.index_select(0, rows)
-        keep_ = torch.ones(b, n, dtype=torch.bool, device=h.device) if keep is None else keep
-        count = lengths.unsqueeze(1) + keep_.long().cumsum(-1)  # processed up to and incl. j
-        slot = torch.where(keep_, count - 1, self.max_len)  # skipped tokens → the bin slot
-        seq = (torch.arange(b, device=h.device) if rows is None else rows).unsqueeze(1)
-        self.k[seq, :, slot] = k.transpose(1, 2).to(self.k.dtype)
-        self.v[seq, :, slot] = v.transpose(1, 2).to(self.v.dtype)
-        new_lengths = count[:, -1]
-        if rows is None:
-            self.lengths = new_lengths
+        every_row = rows is None or rows.numel() == self.k.shape[0]
+        start = self.bound
+        if keep is None and every_row and self.uniform:
+            count = self._append_all(k, v)
+        elif keep is None and n == 1:
+            count = self._append_step(k, v, rows, bound)
         else:
-            self.lengths[rows] = new_lengths
-        if keep is None and rows is None:
-            self.bound += n  # every sequence holds every token: known without a sync
-        else:
-            self.bound = int(self.lengths.max())
+            count = self._append_kept(k, v, keep, rows)
         L = max(self.bound, 1)
         keys, values = self.k[:, :, :L], self.v[:, :, :L]
-        if rows is not None:
+        if not every_row:
             keys, values = keys.index_select(0, rows), values.index_select(0, rows)
-        if keep is None and n == 1:
-            mask = None  # one new token that sees every slot: no mask needed
-        else:
-            visible = torch.arange(L, device=h.device) < count.clamp_min(1).unsqueeze(-1)  # (b, n, L)
-            mask = visible.unsqueeze(1)
-        y = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
+        causal = count is None and n > 1 and start == 0  # a uniform prefill: the plain causal mask
+        mask = None if count is None else _visible(count, L).unsqueeze(1)
+        if count is None and n > 1 and not causal:  # a uniform chunk after earlier tokens
+            mask = _visible(start + torch.arange(1, n + 1, device=h.device).unsqueeze(0), L).unsqueeze(1)
+        y = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, is_causal=causal)
         if attn.expose:  # the next router reads this layer's attention (amod): each new token's self-weight
-            visible = torch.arange(L, device=h.device) < count.clamp_min(1).unsqueeze(-1)
-            own = attention_summary(q, keys, visible.unsqueeze(1), own=(count - 1).clamp_min(0)).self_weight * keep_
-            full = own if rows is None else torch.zeros(self.k.shape[0], n, device=h.device).index_copy(0, rows, own)
+            if count is None:
+                count = (start + torch.arange(1, n + 1, device=h.device)).expand(b, n)
+            keep_ = torch.ones(b, n, dtype=torch.bool, device=h.device) if keep is None else keep
+            own = attention_summary(q, keys, _visible(count, L).unsqueeze(1), own=(count - 1).clamp_min(0)).self_weight * keep_
+            full = own if every_row else torch.zeros(self.k.shape[0], n, device=h.device).index_copy(0, rows, own)
             attn.exposed = AttentionSummary(full)
         return attn.output(y)
+
+    def _append_all(self, k: Tensor, v: Tensor) -> None:
+        """Every sequence appends every new token, at the same slots: slice writes, no index
+        tensors, no sync. Returns None: the queries' visibility is causal (see ``attend``)."""
+        n = k.shape[2]
+        self.k[:, :, self.bound : self.bound + n] = k.to(self.k.dtype)
+        self.v[:, :, self.bound : self.bound + n] = v.to(self.v.dtype)
+        self.lengths += n
+        self.bound += n
+        return None
+
+    def _append_step(self, k: Tensor, v: Tensor, rows: Tensor | None, bound: int | None) -> Tensor:
+        """One token for each sequence in ``rows``, at its own next slot; (b, 1) counts."""
+        lengths = self.lengths if rows is None else self.lengths.index_select(0, rows)
+        seq = torch.arange(self.k.shape[0], device=k.device) if rows is None else rows
+        self.k[seq, :, lengths] = k[:, :, 0].to(self.k.dtype)
+        self.v[seq, :, lengths] = v[:, :, 0].to(self.v.dtype)
+        count = lengths + 1
+        self.lengths.index_copy_(0, seq, count)
+        self.bound = int(self.lengths.max()) if bound is None else bound
+        self.uniform = self.k.shape[0] == 1
+        return count.unsqueeze(1)
+
+    def _append_kept(self, k: Tensor, v: Tensor, keep: Tensor | None, rows: Tensor | None) -> Tensor:
+        """The general append (a routed prefill): token j of sequence b writes where ``keep``,
+        at slot lengths[b] + (kept tokens before it); skipped tokens write to the bin slot. (b, n)
+        counts: the processed tokens up to and including each new one."""
+        b, n = k.shape[0], k.shape[2]
+        lengths = self.lengths if rows is None else self.lengths.index_select(0, rows)
+        keep_ = torch.ones(b, n, dtype=torch.bool, device=k.device) if keep is None else keep
+        count = lengths.unsqueeze(1) + keep_.long().cumsum(-1)  # processed up to and incl. j
+        slot = torch.where(keep_, count - 1, self.max_len)  # skipped tokens → the bin slot
+        seq = (torch.arange(b, device=k.device) if rows is None else rows).unsqueeze(1)
+        self.k[seq, :, slot] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[seq, :, slot] = v.transpose(1, 2).to(self.v.dtype)
+        if rows is None:
+            self.lengths = count[:, -1].contiguous()
+        else:
+            self.lengths[rows] = count[:, -1]
+        self.bound = int(self.lengths.max())  # one host sync per prefill and layer
+        self.uniform = self.k.shape[0] == 1
+        return count
+
+
+def _visible(count: Tensor, length: int) -> Tensor:
+    """(b, n, length) bool: slot s visible to new token j iff s < count[b, j] (at least slot 0)."""
+    return torch.arange(length, device=count.device) < count.clamp_min(1).unsqueeze(-1)
 
 
 # --- the decoder --------------------------------------------------------------------------
@@ -125,14 +174,30 @@ class Decoder:
         hd = cfg.width // cfg.heads
         self.caches = [LayerCache(batch, cfg.heads, max_len, hd, p.device, p.dtype) for _ in model.layers]
         self.pos = 0
-        # Routed-layer token computations: how many were done, out of how many.
-        self.processed = torch.zeros((), dtype=torch.long, device=p.device)
-        self.routed_total = 0
+        # Routed-layer token computations, per routed layer: how many were done, out of how many each.
+        n_routed = sum(isinstance(layer, RoutedBlock) for layer in model.layers)
+        # Prefill counts stay on the device (no sync); decode steps count on the host, from the
+        # decisions they read anyway.
+        self.processed = torch.zeros(n_routed, dtype=torch.long, device=p.device)
+        self.processed_steps = [0] * n_routed
+        self.routed_total = 0  # per routed layer
 
     @property
     def skipped_fraction(self) -> float:
         """Fraction of routed-layer token computations skipped so far (mlp_skip: MLPs)."""
-        return 1.0 - self.processed.item() / self.routed_total if self.routed_total else 0.0
+        if not self.routed_total or not self.processed.numel():
+            return 0.0
+        return 1.0 - sum(self.processed_counts) / (self.routed_total * self.processed.numel())
+
+    @property
+    def processed_shares(self) -> list[float]:
+        """Per routed layer, in order: the share of its token computations done so far."""
+        return [c / max(self.routed_total, 1) for c in self.processed_counts]
+
+    @property
+    def processed_counts(self) -> list[int]:
+        """Per routed layer: the token computations done so far."""
+        return [int(c) + s for c, s in zip(self.processed.tolist(), self.processed_steps)]
 
     @torch.no_grad()
     def __call__(self, idx: Tensor) -> Tensor:
@@ -146,21 +211,23 @@ class Decoder:
         sin = m.rope_sin[self.pos : self.pos + n]
         x = m.embed(idx)
         previous = None  # the last routed layer's decisions for these tokens (nested routing)
+        j = 0  # the routed layer's index
         for layer, cache in zip(m.layers, self.caches):
             attn = layer.block.attn
             if attn.expose:
                 attn.exposed = None  # (a routed layer that no sequence processes leaves none)
             if isinstance(layer, RoutedBlock) and self.mode == "causal":
-                x, decide = self._routed(layer, cache, x, cos, sin, previous)
+                x, decide = self._routed(layer, cache, x, cos, sin, previous, j)
                 previous = decide
-                self.processed += decide.sum()
-                self.routed_total += decide.numel()
+                j += 1
             else:
                 x = self._dense(layer.block, cache, x, cos, sin)
             if attn.expose:  # the next router reads this layer's attention (amod): the tokens' self-weights
                 exposed = attn.take_exposed()
                 previous = exposed if exposed is not None else AttentionSummary(torch.zeros(B, n, device=x.device))
         self.pos += n
+        if self.mode == "causal":
+            self.routed_total += B * n
         return m.head(m.norm(x))
 
     @staticmethod
@@ -168,23 +235,28 @@ class Decoder:
         return x + block.delta(x, cos, sin, cache=cache)
 
     def _routed(self, layer: RoutedBlock, cache: LayerCache, x: Tensor, cos: Tensor, sin: Tensor,
-                previous: Tensor | None) -> tuple[Tensor, Tensor]:
+                previous: Tensor | None, j: int) -> tuple[Tensor, Tensor]:
         # The model's own block path (pre_route, routed_delta, mix_causal), with the cache passed in.
         x = layer.pre_route(x, cos, sin, cache=cache)
         decide = layer.router.decide_causal_given(x, previous)
-        n = x.shape[1]
+        B, n = x.shape[:2]
         if n > 1:
             # Prefill: every token computed in one masked pass, skipped ones discarded.
+            self.processed[j] += decide.sum()
             return layer.mix_causal(x, decide, layer.routed_delta(x, cos, sin, cache=cache, keep=decide)), decide
-        # Decode step: run the block only for the sequences that process this token.
-        rows = decide[:, 0].nonzero().squeeze(1)
-        if rows.numel() == 0:
+        # Decode step: run the block only for the sequences that process this token. One host sync
+        # reads which they are and the cache's new bound (its max length) together.
+        flags = decide[:, 0]
+        *processing, bound = torch.cat((flags.long(), (cache.lengths + flags).max().view(1))).tolist()
+        rows_list = [b for b, p in enumerate(processing) if p]
+        self.processed_steps[j] += len(rows_list)
+        if not rows_list:
             return layer.skipped(x), decide  # nobody processes it: no K/V written, no block run
-        all_rows = rows.numel() == x.shape[0]
+        all_rows = len(rows_list) == B
+        rows = None if all_rows else torch.tensor(rows_list, device=x.device)
         xs = x if all_rows else x.index_select(0, rows)
-        ones = torch.ones(xs.shape[:2], dtype=torch.bool, device=x.device)
-        delta = layer.routed_delta(xs, cos, sin, cache=cache, keep=ones, rows=None if all_rows else rows)
-        out = layer.mix_causal(xs, ones, delta)
+        delta = layer.routed_delta(xs, cos, sin, cache=cache, rows=rows, bound=bound)
+        out = layer.mix_causal(xs, torch.ones(xs.shape[:2], dtype=torch.bool, device=x.device), delta)
         if all_rows:
             return out, decide
         return layer.skipped(x).index_copy(0, rows, out), decide
@@ -197,7 +269,9 @@ class Generation:
     prompt_len: int
     seconds: float  # wall time of prefill + decoding
     skipped_fraction: float  # of routed-layer token computations
+    processed_shares: list[float]  # per routed layer: the share of token computations done
     logits: Tensor | None = None  # (B, P + N − 1, V) when asked for: every fed position
+    prefill_seconds: float = 0.0  # of ``seconds``: the prompt's pass and the first new token's sampling
 
     @property
     def new_tokens(self) -> Tensor:
@@ -207,6 +281,16 @@ class Generation:
     def tokens_per_s(self) -> float:
         """New tokens per second over the batch (prefill time included)."""
         return self.new_tokens.numel() / max(self.seconds, 1e-9)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second of the one-token decode steps alone (prefill excluded): the B·(N − 1)
+        tokens sampled after a KV-cached step, over those steps' time. What MoD's decode saving is
+        about; NaN when there was no decode step (N = 1)."""
+        steps = self.new_tokens.shape[1] - 1
+        if steps < 1:
+            return math.nan
+        return self.new_tokens.shape[0] * steps / max(self.seconds - self.prefill_seconds, 1e-9)
 
 
 def sample(logits: Tensor, *, temperature: float = 1.0, top_k: int | None = None,
@@ -258,6 +342,9 @@ def generate(
                 all_logits.append(logits.float())
             feed = sample(logits[:, -1], temperature=temperature, top_k=top_k, generator=generator)
             tokens.append(feed)
+            if i == 0:
+                _sync(device)
+                prefill_seconds = time.perf_counter() - start
             if i + 1 == max_new_tokens:
                 break  # the last token is sampled, never fed
         _sync(device)
@@ -269,7 +356,9 @@ def generate(
         prompt_len=P,
         seconds=seconds,
         skipped_fraction=decoder.skipped_fraction,
+        processed_shares=decoder.processed_shares,
         logits=torch.cat(all_logits, dim=1) if return_logits else None,
+        prefill_seconds=prefill_seconds,
     )
 
 

@@ -27,7 +27,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
-CPU_THREADS = 2
+# The issue's reference point is 2 threads. MODBENCH_BENCH_THREADS overrides it: on a machine
+# shared with other jobs, a 2-thread parallel region waits for its descheduled thread at every op
+# (measured here at load average 10-14 on 2 cores: a batch-64 decode step at 819 ms with 2 threads,
+# 124 ms with 1), which times the scheduler rather than the code. Recorded in extra_info["threads"].
+CPU_THREADS = int(os.environ.get("MODBENCH_BENCH_THREADS", "2"))
 MIN_ROUNDS = 5
 MAX_ROUNDS = 100
 CUDA_WARMUP_ROUNDS = 3  # the first calls compile
@@ -112,8 +116,8 @@ def _median(xs: list[float]) -> float:
 
 @pytest.fixture
 def run_bench(benchmark):
-    """``run_bench(fn, kind=, seq_len=, device=, extra_info=, budget_s=, reference=, min_rounds=)``
-    -> fn's result.
+    """``run_bench(fn, kind=, seq_len=, device=, extra_info=, budget_s=, reference=, min_rounds=,
+    seconds_of=)`` -> fn's result.
 
     Sets the group (``group_name``) and ``extra_info`` (plus kind, scope, seq_len, device,
     threads, torch version).
@@ -128,7 +132,11 @@ def run_bench(benchmark):
     every round first calls the reference in pytest-benchmark's untimed ``setup`` — timed
     here — then ``fn``, so each round is an adjacent (dense, routed) pair.
     ``extra_info["paired_time_ratio"]`` = min over rounds of t_fn / min of t_reference
-    (``paired_median_ratio``: the median of the per-round ratios). On a shared, virtualised
+    (``paired_median_ratio``: the median of the per-round ratios). ``seconds_of`` (optional): the
+    time a round counts, read off the call's result instead of the call's wall time (decoding:
+    the decode steps alone, ``Generation.seconds − prefill_seconds``); pytest-benchmark's own
+    statistics stay the wall time of the whole call. ``extra_info["loadavg"]``: the 1-minute load
+    average (``os.getloadavg``) after the timed rounds. On a shared, virtualised
     machine the speed of the whole machine drifts by tens of percent over seconds to minutes
     (measured here: the same dense block at 424-617 ms, other processes using ~1 % of the
     CPU), so a ratio of two entries timed minutes apart (``raw_ratio`` in bench_table) is
@@ -139,7 +147,7 @@ def run_bench(benchmark):
     def run(
         fn: Callable[[], object], *, kind: str, seq_len: int, device: str, extra_info: dict,
         budget_s: float, reference: Callable[[], Callable[[], object]] | None = None,
-        min_rounds: int = MIN_ROUNDS,
+        min_rounds: int = MIN_ROUNDS, seconds_of: Callable[[object], float] | None = None,
     ):
         benchmark.group = group_name(kind, seq_len, device)
         benchmark.extra_info.update(kind=kind, scope=kind, seq_len=seq_len)
@@ -166,14 +174,17 @@ def run_bench(benchmark):
         t_fn: list[float] = []
         t_ref: list[float] = []
 
-        def timed_call():
+        def counted(fn: Callable[[], object], into: list[float]) -> object:
             t0 = time.perf_counter()
-            result = call()
-            t_fn.append(time.perf_counter() - t0)
+            result = fn()
+            into.append(time.perf_counter() - t0 if seconds_of is None else seconds_of(result))
             return result
 
+        def timed_call():
+            return counted(call, t_fn)
+
         def reference_call():  # pytest-benchmark's setup: runs before every round, untimed
-            t_ref.append(_timed(ref))
+            counted(ref, t_ref)
 
         before = _cpu_seconds()
         result = benchmark.pedantic(
@@ -182,6 +193,9 @@ def run_bench(benchmark):
         )
         share = foreign_cpu_share(before, _cpu_seconds())
         benchmark.extra_info["foreign_cpu"] = None if share is None else round(share, 3)
+        benchmark.extra_info["loadavg"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+        if seconds_of is not None:
+            benchmark.extra_info["counted_fn_s"] = [round(t, 6) for t in t_fn]
         if ref is not None:
             benchmark.extra_info.update(
                 paired_rounds=len(t_fn),

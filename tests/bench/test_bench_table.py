@@ -80,7 +80,7 @@ def _decode(variant, pattern, batch, t_min, *, paired=None):
                 pattern=pattern, seq_len=192, batch=batch, device="cuda", dtype="bf16", d_model=1024,
                 tokens=batch * 128, flop_ratio=1.0 if variant == "dense" else 0.3)
     if paired is not None:
-        info.update(paired_time_ratio=paired, paired_rounds=3)
+        info.update(paired_time_ratio=paired, paired_median_ratio=paired, paired_rounds=3)
     return dict(name=f"decode-{variant}-{pattern}-{batch}", extra_info=info,
                 stats=dict(min=t_min, median=t_min, mean=t_min, rounds=3))
 
@@ -133,3 +133,103 @@ def test_block_and_model_markdown_has_no_decode_or_mfu_columns(report, tmp_path)
     assert bench_table.main([str(report), "--markdown", str(md)]) == 0
     head = next(line for line in md.read_text().splitlines() if line.startswith("| kind"))
     assert "tok_s" not in head and "mfu" not in head
+
+
+# --- the decode table: roofline, realised share, every variant ---------------------------------
+def test_roofline_on_a_hand_computed_example():
+    """Two layers at peak 100 FLOP/s and bandwidth 10 B/s, batch 2.
+
+    Dense layer: every step 2 tokens × 30 FLOPs = 60 FLOPs (0.6 s) vs 40 B weights + 2 × 5 B of
+    cache = 50 B (5 s): 5 s. Routed layer, share 0.5: b = 0, 1, 2 with probability 1/4, 1/2, 1/4;
+    always 2 tokens × 10 FLOPs (router) and 10 B of router weights; b > 0 adds 200 FLOPs and 5 B
+    per token and reads 100 B of weights. b = 0: max(0.2, 1) = 1 s; b = 1: max(2.2, 11.5) = 11.5 s;
+    b = 2: max(4.2, 12) = 12 s. Expected 0.25 + 5.75 + 3 = 9 s."""
+    from modbench.bench import decode_roofline as rl
+
+    m = rl.Machine(peak_flops=100.0, bandwidth=10.0)
+    dense = rl.LayerCost(routed_flops=30.0, routed_bytes=40.0, routed_token_bytes=5.0)
+    routed = rl.LayerCost(share=0.5, always_flops=10.0, always_bytes=10.0, routed_flops=200.0, routed_bytes=100.0,
+                          routed_token_bytes=5.0)
+    assert rl.layer_time(dense, 2, m) == pytest.approx(5.0)
+    assert rl.layer_time(routed, 2, m) == pytest.approx(9.0)
+    # batch 1: the weights are read on a fraction 1 − (1 − s)^1 = s of the steps (b = 0: the router's 10 B, 1 s)
+    assert rl.layer_time(routed, 1, m) == pytest.approx(0.5 * 1.0 + 0.5 * 11.5)
+    assert rl.speedup_limit([dense, dense], [dense, routed], 2, m) == pytest.approx(10.0 / 14.0)
+    # a mixture of 4 experts of 8 B each: 2 tokens use 4·(1 − (3/4)²) = 1.75 distinct experts
+    moe = rl.LayerCost(share=1.0, routed_flops=1.0, experts=4, expert_bytes=8.0)
+    assert rl.layer_time(moe, 2, m) == pytest.approx(1.75 * 8.0 / 10.0)
+
+
+def test_model_costs_read_off_the_modules():
+    """A dense layer's FLOPs are 2 per linear weight + 4·d per cached key; a routed block-scope
+    layer at share s reads its weights (and runs its FLOPs) only for processed tokens."""
+    import torch
+
+    from modbench.bench import decode_roofline as rl
+    from modbench.config.model import ModelConfig, RoutingConfig
+    from modbench.model.gpt import GPT
+
+    cfg = ModelConfig(depth=2, n_embd=32, head_dim=8, max_seq_len=16)
+    with torch.device("meta"):
+        dense, routed = GPT(cfg), GPT(cfg, RoutingConfig("sigmoid", capacity=0.25, pattern="DM"))
+    d = 32
+    block_w = 4 * d * d + 8 * d * d  # qkv + proj + the 4× MLP
+    c = rl.model_costs(dense, context=10.0)
+    assert len(c) == 3 and c[0].routed_flops == pytest.approx(2 * block_w + 4 * d * 10.0)
+    assert c[0].routed_bytes == 4 * block_w and c[0].routed_token_bytes == 4 * 2 * d * 10.0
+    assert c[-1].always_flops == 2 * 256 * d  # the head
+    r = rl.model_costs(routed, context=10.0, shares=[0.25])
+    assert r[1].share == 0.25 and r[1].routed_bytes == 4 * block_w and r[1].always_flops == 2 * d  # the router
+    assert r[1].routed_token_bytes == pytest.approx(4 * 2 * d * 10.0 * 0.25)  # its cache holds a quarter
+
+
+def _decode_row(variant, batch, *, ratio, roofline, counted, reference, share=0.125):
+    entry = _decode(variant, "fixed:1,1" if variant != "dense" else "-", batch, 1.0, paired=ratio)
+    entry["extra_info"].update(decode_tokens=batch * 127, counted_fn_s=counted, paired_reference_s=reference,
+                               roofline_speedup=roofline, realised_share=share, loadavg=1.5, device="cpu")
+    entry["extra_info"]["paired_time_ratio"] = 0.01  # min/min: not what decode rows report
+    return entry
+
+
+def test_decode_rows_report_median_speedup_roofline_share_and_both_bars(tmp_path):
+    data = {"machine_info": {}, "datetime": "now", "benchmarks": [
+        _decode("dense", "-", 1, 1.0) | {"extra_info": _decode("dense", "-", 1, 1.0)["extra_info"] | {"device": "cpu"}},
+        _decode_row("sigmoid", 1, ratio=0.4, roofline=2.8, counted=[0.3, 0.5, 0.4], reference=[1.0, 1.1, 0.9]),
+        _decode_row("norm", 1, ratio=0.6, roofline=2.8, counted=[0.6], reference=[1.0]),
+    ]}
+    path = tmp_path / "decode.json"
+    path.write_text(json.dumps(data))
+    df = bench_table.table(bench_table.load(path)).set_index(["variant", "B"])
+    s = df.loc[("sigmoid fixed:1,1", 1)]
+    assert s.time_ratio == pytest.approx(0.4) and s.speedup == pytest.approx(2.5)  # the median ratio, not min/min
+    assert s.tok_s == pytest.approx(127 / 0.4) and s.dense_tok_s == pytest.approx(127 / 1.0)
+    assert s.realised == pytest.approx(2.5 / 2.8) and s.load == 1.5 and s.share == 0.125
+    assert s.bar == "met (2.50× ≥ 2.5× dense tokens/s?); met (89% ≥ 70% of the roofline speed-up?)"
+    n = df.loc[("norm fixed:1,1", 1)]
+    assert n.bar == "MISSED (60% ≥ 70% of the roofline speed-up?)"  # 1.67 / 2.8; the speed bar is sigmoid's
+    md = tmp_path / "decode.md"
+    assert bench_table.main([str(path), "--markdown", str(md)]) == 0
+    head = next(line for line in md.read_text().splitlines() if line.startswith("| kind"))
+    for col in ("tok_s", "dense_tok_s", "e2e_tok_s", "speedup", "roofline", "realised", "share", "load"):
+        assert col in head
+
+
+def test_committed_cpu_decode_table_has_every_variant_at_every_batch():
+    """reports/bench/cpu_decode.json (the committed decode table) has, at batch 1, 8 and 64, a dense
+    row and a row per registered routed variant, each with its roofline and realised share."""
+    from pathlib import Path
+
+    from modbench import variants
+
+    path = Path(__file__).resolve().parents[2] / "reports" / "bench" / "cpu_decode.json"
+    df = bench_table.table(bench_table.load(path))
+    df = df[df["kind"] == "decode"]
+    routed = [v for v in variants.list_variants() if variants.get_variant(v).scope != "none"]
+    for batch in (1, 8, 64):
+        rows = df[df["B"] == batch]
+        assert "dense" in set(rows["variant"]), batch
+        for v in routed:
+            row = rows[rows["variant"] == f"{v} fixed:1,1"]
+            assert len(row) == 1, (v, batch)
+            r = row.iloc[0]
+            assert r.roofline > 1 and 0 < r.realised and r.tok_s > 0 and 0 < r.share < 0.5, (v, batch)

@@ -1,31 +1,36 @@
-"""Speed of KV-cached decoding (``modbench.model.decode.generate``): routed vs dense tokens/s.
+"""Speed of KV-cached decoding (``modbench.model.decode.generate``): every variant's tokens/s vs dense.
 
-The issue's point (CUDA): GPT d = 1024, depth 12 (16 heads of 64), weights in bf16, batch
-1, 8 and 64; the ``sigmoid`` variant at C = 0.125 with the patterns ``alternate`` (D M D M …:
-6 of 12 layers routed) and ``fixed:1,1`` (every middle layer routed: 10 of 12), each against
-the dense GPT of the same shape. A prompt of ``PROMPT`` tokens is prefilled, then ``NEW``
-tokens are sampled one at a time; the timed closure is one whole ``generate`` call (prefill
-included), so tokens/s = B · NEW / time and a routed entry's speed-up over dense is
-1 / ``paired_time_ratio`` (both generate the same number of tokens). The bar (reported by
-``modbench.bench.table``, not asserted): fixed:1,1 at C = 0.125 and B = 64 reaches
-≥ 1.5 × the dense tokens/s.
+Entries: every registered routed variant at C = 0.125 with the pattern ``fixed:1,1`` (every
+middle layer routed), ``sigmoid`` also with ``alternate`` (D M D M …), and the dense GPT of the
+same shape, each at batch 1, 8 and 64. A prompt of ``PROMPT`` tokens is prefilled, then ``NEW``
+tokens are sampled one at a time. What a round counts is the *decode steps* alone
+(``Generation.seconds − prefill_seconds``: B·(NEW − 1) tokens, each from one KV-cached step):
+that is what MoD's decode-time saving is about, and what the FLOP ratio and the roofline limit
+describe. The routed prefill runs every prompt token through every layer in one masked pass
+(``Decoder._routed``) and saves nothing; pytest-benchmark's statistics keep the wall time of the
+whole call, so the table also shows end-to-end tokens/s. Every round of a routed entry is its
+dense reference's call and then its own, adjacent (tests/bench/conftest.py, ``run_bench``), and
+the table reports the median of the per-round time ratios.
 
-On CPU a tiny model (d = 64, depth 6: alternate routes 3 layers, fixed:1,1 four) and short
-sequences keep the untimed CI run to a fraction of a second per entry; it checks the same
-things.
+Shapes. Benchmarking on CPU: d = 512, depth 8 (8 heads of 64), prompt 32 + 32 new tokens, fp32,
+2 threads (``MODBENCH_BENCH_THREADS``, tests/bench/conftest.py) — a width where compute matters. On CUDA: d = 1024, depth 12, bf16 weights, prompt 64 +
+128. The untimed CI run (``--benchmark-disable``) uses a tiny CPU model (d = 64, depth 6, prompt
+8 + 24) and checks the same things in a fraction of a second per entry.
 
-Why the routers are calibrated: decoding routes each token by the variant's causal rule, for
-``sigmoid`` r > 0, which its auxiliary BCE loss trains to hold exactly for top-k members
-(Raposo et al. 2024 §3.5), i.e. for a fraction ≈ C of the tokens. An untrained router fires on
-about half of them, which would time a C ≈ 0.5 model; so each router's bias is set to minus the
-(1 − C) quantile of its scores on random tokens (``calibrate_to_capacity``), the state a trained
-router ends in, and the test asserts the realised skipped fraction is ≈ 1 − C.
+Why the routers are calibrated: decoding routes each token by the variant's causal rule, which a
+trained router's auxiliary loss or threshold calibration makes hold for a fraction ≈ C of the
+tokens (Raposo et al. 2024 §3.5); an untrained router would time some other capacity. So the
+routers are first calibrated as training ends (``calibrate_causal_rules``), then each routed
+layer, in order, gets its rule's cut moved so that it processes C of the tokens of random
+sequences (``calibrate_to_capacity``), and the test asserts the realised share is ≈ C.
+
+The roofline column (``modbench.bench.decode_roofline``): per step and layer time = max(FLOPs /
+peak, bytes / bandwidth), a routed layer reading its weights only when some sequence of the batch
+processes the token, peak and bandwidth measured on the machine once per session.
 
 Why not ``torch.compile``: the decoder's shapes change every step (the cache grows, the subset
-of sequences that process a token varies) and it reads the routing decisions on the host once
-per routed layer and step; this times what ``modbench generate`` runs. bf16 *weights* rather
-than autocast: the KV cache takes the weights' dtype, and an fp32 cache under autocast would be
-cast to bf16 in full at every step.
+of sequences that process a token varies); this times what ``modbench generate`` runs. bf16
+*weights* on CUDA rather than autocast: the KV cache takes the weights' dtype.
 """
 
 from __future__ import annotations
@@ -36,62 +41,118 @@ import pytest
 import torch
 from torch import Tensor
 
+from modbench import variants
+from modbench.bench import decode_roofline
 from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.config.patterns import pattern_string
 from modbench.model.decode import Generation, generate
 from modbench.model.gpt import GPT, RoutedBlock
 from modbench.model.sizing import decode_flops_per_token
+from modbench.run.causal_eval import calibrate_causal_rules
+from modbench.variants import RunningMean
 
-VARIANT = "sigmoid"
 CAPACITY = 0.125
-PATTERNS = ("alternate", "fixed:1,1")
 BATCHES = (1, 8, 64)
-# The model and sequence sizes per device: (d_model, depth, head_dim), prompt and new tokens.
-SHAPE = {"cpu": (64, 6, 32), "cuda": (1024, 12, 64)}
-PROMPT = {"cpu": 8, "cuda": 64}
-NEW = {"cpu": 24, "cuda": 128}
-CALIBRATION_BATCH = 16  # random sequences of the full context that set the routers' biases
-BUDGET_S = {"cpu": 2.0, "cuda": 2.0}  # seconds per entry when benchmarking (pairs included)
+ROUTED = [v for v in variants.list_variants() if variants.get_variant(v).scope != "none"]
+ENTRIES = [(v, "fixed:1,1") for v in ROUTED] + [("sigmoid", "alternate")]
+# Per device (and "cpu-ci": the untimed CI run): (d_model, depth, head_dim), prompt and new tokens.
+SHAPE = {"cpu": (512, 8, 64), "cpu-ci": (64, 6, 32), "cuda": (1024, 12, 64)}
+PROMPT = {"cpu": 32, "cpu-ci": 8, "cuda": 64}
+NEW = {"cpu": 32, "cpu-ci": 24, "cuda": 128}
+CALIBRATION_BATCH = 8  # random sequences of the full context that set the routers' cuts
+BUDGET_S = {"cpu": 1.0, "cuda": 2.0}  # seconds per entry when benchmarking (pairs included)
 MIN_ROUNDS = 3  # each round is a whole generation: NEW steps averaged already
 
 
-def _config(device: str) -> ModelConfig:
-    d, depth, head_dim = SHAPE[device]
-    return ModelConfig(depth=depth, n_embd=d, head_dim=head_dim, max_seq_len=PROMPT[device] + NEW[device])
+def _size(device: str, benchmarking: bool) -> str:
+    return device if device == "cuda" or benchmarking else "cpu-ci"
 
 
-def _routing(pattern: str | None) -> RoutingConfig:
-    if pattern is None:
+def _config(size: str) -> ModelConfig:
+    d, depth, head_dim = SHAPE[size]
+    return ModelConfig(depth=depth, n_embd=d, head_dim=head_dim, max_seq_len=PROMPT[size] + NEW[size])
+
+
+def _routing(variant: str, pattern: str | None) -> RoutingConfig:
+    if variant == "dense":
         return RoutingConfig("dense", capacity=1.0)
-    return RoutingConfig(VARIANT, capacity=CAPACITY, pattern=pattern)
+    return RoutingConfig(variant, capacity=CAPACITY, pattern=pattern)
+
+
+# --- calibration to C -------------------------------------------------------------------------
+def _cut(router) -> tuple[Tensor, float]:
+    """The number the router's causal rule compares against, as a tensor to shift in place, and
+    the direction (+1: raising it processes more tokens)."""
+    threshold = getattr(router, "threshold", None)
+    if isinstance(threshold, RunningMean):  # score >= threshold: norm, amod, learned_temperature, mlp_skip, random*
+        threshold.count.fill_(max(float(threshold.count), 1.0))  # (random: a threshold counts once calibrated)
+        return threshold.value, -1.0
+    if hasattr(router, "aux"):  # linear_softmax: the auxiliary predictor's logit > 0
+        return router.aux.net[-1].bias, 1.0
+    if hasattr(router, "gate"):  # mode_integrated: best expert's logit − the no-op's > 0
+        return router.gate.bias[-1:], -1.0
+    return router.scorer.proj.bias, 1.0  # a linear logit against a fixed cut (sigmoid, token_choice, …)
+
+
+class _Captured(Exception):
+    """Stops a forward at the routed layer whose router input was wanted (the rest is not needed)."""
 
 
 @torch.no_grad()
-def calibrate_to_capacity(model: GPT, idx: Tensor, capacity: float) -> None:
-    """Shift each sigmoid router's bias so that its causal rule r > 0 holds for ≈ ``capacity``
-    of the tokens of ``idx`` (see the module docstring).
+def _router_input(model: GPT, router, idx: Tensor) -> tuple[Tensor, object]:
+    """(x, previous) that ``router.decide_causal_given`` sees in the causal pass over ``idx``."""
+    seen = []
 
-    Layer by layer, in causal routing mode: a layer's bias changes its output (the delta is
-    weighted by sigmoid(r)), hence what every later router scores.
-    """
+    def capture(x, previous):
+        seen.append((x, previous))
+        raise _Captured
+
+    router.decide_causal_given = capture  # an instance attribute shadows the method for one pass
+    try:
+        model(idx, routing_mode="causal")
+    except _Captured:
+        pass
+    finally:
+        del router.decide_causal_given
+    return seen[0]
+
+
+@torch.no_grad()
+def calibrate_to_capacity(model: GPT, idx: Tensor, capacity: float, steps: int = 40) -> None:
+    """Calibrate the causal rules as training ends (``calibrate_causal_rules``), then move each
+    routed layer's cut (``_cut``), layer by layer in order, so that it processes ``capacity`` of the
+    tokens of ``idx`` in causal mode: bisection on the shift (the share is monotone in it). Layer
+    by layer because a layer's decisions change what every later router scores."""
+    calibrate_causal_rules(model, [idx])
     for layer in model.layers:
         if not isinstance(layer, RoutedBlock):
             continue
-        scorer = layer.router.scorer  # sigmoid: a LinearScorer, r = w·x + b
-        seen: list[Tensor] = []
-        hook = scorer.register_forward_hook(lambda _m, _i, out: seen.append(out.detach().float().flatten()))
-        try:
-            model(idx, routing_mode="causal")
-        finally:
-            hook.remove()
-        scorer.proj.bias -= torch.quantile(seen[0], 1.0 - capacity).to(scorer.proj.bias.dtype)
+        router = layer.router
+        x, previous = _router_input(model, router, idx)
+        cut, direction = _cut(router)
+        base = cut.clone()
+
+        def share(shift: float) -> float:
+            cut.copy_(base + direction * shift)
+            return router.decide_causal_given(x, previous).float().mean().item()
+
+        low, high = -1.0, 1.0
+        while share(low) > capacity and low > -1e6:
+            low *= 2
+        while share(high) < capacity and high < 1e6:
+            high *= 2
+        for _ in range(steps):
+            mid = 0.5 * (low + high)
+            low, high = (mid, high) if share(mid) < capacity else (low, mid)
+        share(high)
 
 
-def _model(cfg: ModelConfig, pattern: str | None, device: str) -> GPT:
+# --- the benchmark -------------------------------------------------------------------------------
+def _model(cfg: ModelConfig, variant: str, pattern: str | None, device: str) -> GPT:
     """The GPT to decode, on ``device`` (bf16 weights on CUDA), routers calibrated to C."""
     torch.manual_seed(0)
     with torch.device(device):
-        model = GPT(cfg, _routing(pattern))
+        model = GPT(cfg, _routing(variant, pattern))
     if device == "cuda":
         model = model.to(torch.bfloat16)
     model.eval()
@@ -111,12 +172,23 @@ def _decode(model: GPT, prompt: Tensor, new_tokens: int):
     return run
 
 
+def _decode_seconds(gen: Generation) -> float:
+    """What a round counts: the decode steps alone."""
+    return gen.seconds - gen.prefill_seconds
+
+
+@pytest.fixture(scope="session")
+def machine() -> decode_roofline.Machine:
+    """Peak FLOP/s and bandwidth of this machine at the benchmark's thread count (measured once,
+    first asked for inside a test, after conftest's autouse fixture has set the threads)."""
+    return decode_roofline.measure_machine()
+
+
 def _cases():
-    # Per batch: the dense model first, then the two routed patterns (as in test_block_speed).
     for B in BATCHES:
-        yield pytest.param(None, B, id=f"B{B}-dense")
-        for p in PATTERNS:
-            yield pytest.param(p, B, id=f"B{B}-{VARIANT}-C{CAPACITY}-{p.replace(':', '').replace(',', '_')}")
+        yield pytest.param("dense", None, B, id=f"B{B}-dense")
+        for v, p in ENTRIES:
+            yield pytest.param(v, p, B, id=f"B{B}-{v}-C{CAPACITY}-{p.replace(':', '').replace(',', '_')}")
 
 
 def _skip_tolerance(decisions: int) -> float:
@@ -126,29 +198,39 @@ def _skip_tolerance(decisions: int) -> float:
     return 0.05 + 4.0 * math.sqrt(CAPACITY * (1 - CAPACITY) / max(decisions, 1))
 
 
-@pytest.mark.parametrize("pattern,batch", list(_cases()))
-def test_decode_tokens_per_s(pattern, batch, device, run_bench, benchmark):
-    cfg = _config(device)
-    P, N, B = PROMPT[device], NEW[device], batch
+def test_every_routed_variant_has_a_decode_entry():
+    assert {v for v, _ in ENTRIES} == set(ROUTED) and len(ROUTED) >= 10
+    assert {"token_choice", "threshold", "mode_staged", "mode_integrated"} <= set(ROUTED)
+
+
+@pytest.mark.parametrize("variant,pattern,batch", list(_cases()))
+def test_decode_tokens_per_s(variant, pattern, batch, device, run_bench, benchmark, request):
+    size = _size(device, not run_bench.disabled)
+    if size == "cuda" and variant != "sigmoid" and variant != "dense":
+        pytest.skip("on CUDA the suite times sigmoid's two patterns (make gpu-bench); every variant on CPU")
+    cfg = _config(size)
+    P, N, B = PROMPT[size], NEW[size], batch
     T = P + N
-    model = _model(cfg, pattern, device)
+    model = _model(cfg, variant, pattern, device)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, cfg.vocab_size, (B, P), generator=g).to(device)
-    routing = _routing(pattern)
-    dense_fpt = decode_flops_per_token(cfg, _routing(None), T, 1.0)
-    nominal_fpt = decode_flops_per_token(cfg, routing, T, CAPACITY if pattern else 1.0)
+    routing = _routing(variant, pattern)
+    dense_fpt = decode_flops_per_token(cfg, _routing("dense", None), T, 1.0)
+    routed = variant != "dense"
 
     def dense_reference():  # built only when benchmarking: the dense GPT of the same shape
-        return _decode(_model(cfg, None, device), prompt, N)
+        return _decode(_model(cfg, "dense", None, device), prompt, N)
 
     gen = run_bench(
         _decode(model, prompt, N), kind="decode", seq_len=T, device=device,
-        budget_s=BUDGET_S[device], reference=None if pattern is None else dense_reference, min_rounds=MIN_ROUNDS,
+        budget_s=BUDGET_S[device], reference=dense_reference if routed else None, min_rounds=MIN_ROUNDS,
+        seconds_of=_decode_seconds,
         extra_info=dict(
-            variant="dense" if pattern is None else VARIANT, capacity=1.0 if pattern is None else CAPACITY,
-            pattern=pattern or "-", layers=pattern_string(model.routed_flags), batch=B, depth=cfg.layers,
-            d_model=cfg.width, prompt=P, new_tokens=N, tokens=B * N,
-            flop_ratio=nominal_fpt / dense_fpt, flop_ratio_nominal=nominal_fpt / dense_fpt,
+            variant=variant, capacity=CAPACITY if routed else 1.0, pattern=pattern or "-",
+            layers=pattern_string(model.routed_flags), batch=B, depth=cfg.layers, d_model=cfg.width,
+            prompt=P, new_tokens=N, tokens=B * N, decode_tokens=B * (N - 1),
+            time_counted="decode steps only (prefill excluded)",
+            flop_ratio_nominal=decode_flops_per_token(cfg, routing, T, CAPACITY if routed else 1.0) / dense_fpt,
             flop_convention="forward only, causal, head included, per token over the whole context",
             dtype="bf16" if device == "cuda" else "fp32", compiled=False,
             gpu=torch.cuda.get_device_name() if device == "cuda" else None,
@@ -159,23 +241,45 @@ def test_decode_tokens_per_s(pattern, batch, device, run_bench, benchmark):
     assert gen.tokens.shape == (B, P + N) and gen.new_tokens.shape == (B, N)
     assert torch.equal(gen.tokens[:, :P].cpu(), prompt.cpu()), "the prompt must come back unchanged"
     assert 0 <= int(gen.new_tokens.min()) and int(gen.new_tokens.max()) < cfg.vocab_size
-    assert gen.seconds > 0 and math.isfinite(gen.tokens_per_s)
-    routed = sum(model.routed_flags)
-    if pattern is None:
-        assert routed == 0 and gen.skipped_fraction == 0.0
+    assert 0 < gen.prefill_seconds < gen.seconds and math.isfinite(gen.decode_tokens_per_s)
+    n_routed = sum(model.routed_flags)
+    if not routed:
+        assert n_routed == 0 and gen.skipped_fraction == 0.0 and gen.processed_shares == []
+        share = 1.0
     else:
-        assert model.routed_flags == _routing(pattern).routed_layers(cfg.layers) and routed >= cfg.layers // 2
+        assert model.routed_flags == routing.routed_layers(cfg.layers) and n_routed >= cfg.layers // 2
+        assert len(gen.processed_shares) == n_routed
         # Every fed token (prompt and all but the last new one) meets every routed layer once.
-        decisions = B * (P + N - 1) * routed
+        decisions = B * (P + N - 1) * n_routed
         tol = _skip_tolerance(decisions)
         assert abs(gen.skipped_fraction - (1 - CAPACITY)) <= tol, (
             f"routed layers skipped {gen.skipped_fraction:.3f} of the tokens, expected {1 - CAPACITY} ± {tol:.3f}"
         )
-        realised_fpt = decode_flops_per_token(cfg, routing, T, 1 - gen.skipped_fraction)
-        benchmark.extra_info.update(skipped_fraction=gen.skipped_fraction, flop_ratio=realised_fpt / dense_fpt)
-        assert realised_fpt < dense_fpt
+        share = 1 - gen.skipped_fraction
+        assert decode_flops_per_token(cfg, routing, T, share) < dense_fpt
+    benchmark.extra_info.update(
+        skipped_fraction=gen.skipped_fraction, realised_share=share, layer_shares=gen.processed_shares,
+        flop_ratio=decode_flops_per_token(cfg, routing, T, share) / dense_fpt,
+    )
     # Logits stay finite through prefill and decoding (a short generation that keeps them).
     check = generate(model, prompt, 2, temperature=0, return_logits=True)
     assert check.logits.shape == (B, P + 1, cfg.vocab_size) and torch.isfinite(check.logits).all()
-    t = benchmark.stats.stats.min if not run_bench.disabled else gen.seconds
-    benchmark.extra_info["tokens_per_s"] = B * N / t
+    if not run_bench.disabled and device == "cpu":  # (the roofline's machine is measured on the CPU)
+        _record_roofline(benchmark, request.getfixturevalue("machine"), cfg, model, gen, P + N / 2, device)
+
+
+def _record_roofline(benchmark, machine, cfg: ModelConfig, model: GPT, gen: Generation, context: float,
+                     device: str) -> None:
+    """The attainable speed-up at this batch (``decode_roofline``) and the machine it assumes."""
+    B = gen.tokens.shape[0]
+    with torch.device("meta"):
+        dense = GPT(cfg)
+    width = 2 if device == "cuda" else 4
+    dense_costs = decode_roofline.model_costs(dense, context, bytes_per_value=width)
+    routed_costs = decode_roofline.model_costs(model, context, gen.processed_shares, bytes_per_value=width)
+    benchmark.extra_info.update(
+        roofline_speedup=decode_roofline.speedup_limit(dense_costs, routed_costs, B, machine),
+        roofline_dense_step_s=decode_roofline.step_time(dense_costs, B, machine),
+        roofline_step_s=decode_roofline.step_time(routed_costs, B, machine),
+        peak_flops=machine.peak_flops, bandwidth=machine.bandwidth, roofline_context=context,
+    )
