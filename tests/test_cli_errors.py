@@ -80,3 +80,114 @@ def test_missing_dataset_offline_says_where_to_put_it(capsys, tmp_path, monkeypa
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "could not download tinyshakespeare" in err and str(tmp_path / "data") in err
     assert out == ""  # nothing printed (or tracked) before the failure
+
+
+# --- a broken environment, not a malformed file: still one line, never a traceback -----------------
+
+TINY = ["--dataset", "arithmetic", "--depth", "2", "--n-embd", "16", "--head-dim", "8", "--max-seq-len", "32",
+        "--seq-len", "16", "--batch-size", "2", "--eval-windows", "2"]
+
+
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("modbench: error: "), err
+    return lines[0]
+
+
+def _unreadable(path, monkeypatch) -> None:
+    """``path`` without read permission; root reads any file, so there the refusal is injected
+    where the file is opened (the same PermissionError the kernel gives everyone else)."""
+    import errno
+    import os
+    import pathlib
+
+    path.chmod(0)
+    if os.access(path, os.R_OK):
+        real = pathlib.Path.read_text
+
+        def refuse(self, *args, **kwargs):
+            if self.resolve() == path.resolve():
+                raise PermissionError(errno.EACCES, "Permission denied", str(self))
+            return real(self, *args, **kwargs)
+
+        monkeypatch.setattr(pathlib.Path, "read_text", refuse)
+
+
+def test_a_study_file_the_user_may_not_read_is_one_line(tmp_cwd, capsys, monkeypatch):
+    study = tmp_cwd / "mine.toml"
+    study.write_text('[study]\nname = "mine"\n[space]\nvariant = ["dense"]\n')
+    _unreadable(study, monkeypatch)
+    assert main(["study", "run", str(study)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "cannot read" in line and "mine.toml" in line and "Permission denied" in line
+
+
+def test_generate_asking_for_more_memory_than_the_machine_has_is_one_line(tmp_cwd, capsys):
+    assert main(["train", *TINY, "--budget", "steps=1", "--no-track", "--quiet", "--run-name", "tiny"]) == 0
+    capsys.readouterr()
+    checkpoint = next(tmp_cwd.glob("runs/tiny*/checkpoint.pt"))
+    # 10^12 sequences: terabytes for the prompts alone, more than any machine running this has
+    assert main(["generate", "--run", str(checkpoint), "--prompt", "ab", "--batch", str(10**12),
+                 "--max-new-tokens", "2", "--no-dense"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "--batch 1000000000000 needs more memory than cpu has" in line and "smaller --batch" in line
+
+
+@pytest.mark.parametrize("command", [["report", STUDY], ["ui"]])
+def test_report_or_ui_at_an_mlflow_store_that_is_not_a_database_is_one_line(tmp_cwd, capsys, command):
+    (tmp_cwd / "mlflow.db").write_text("these are notes, not a database\n")
+    assert main([*command, "--tracking-uri", "sqlite:///mlflow.db"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "is not a SQLite database" in line and "--tracking-uri" in line
+
+
+def test_a_reports_folder_that_cannot_be_created_is_one_line_before_any_work(tmp_cwd, capsys):
+    import optuna
+
+    from modbench.config.study import load_study
+    from modbench.track.optuna_store import default_storage
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # as the runner does: no INFO line per study
+    optuna.create_study(study_name="smoke", storage=default_storage(load_study(STUDY), "runs/studies"))
+    capsys.readouterr()
+    (tmp_cwd / "mlflow.db").touch()  # an MLflow store SQLite has not written yet
+    (tmp_cwd / "taken").write_text("a file where the reports folder should go")
+    assert main(["report", STUDY, "--reports-dir", "taken/reports"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "--reports-dir taken/reports/smoke is not writable" in line
+
+
+def test_a_report_whose_mlflow_store_is_missing_is_one_line_and_creates_none(tmp_cwd, capsys):
+    """The study's trials are here, its MLflow runs are not (they went to another --tracking-uri)."""
+    import optuna
+
+    from modbench.config.study import load_study
+    from modbench.track.optuna_store import default_storage
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.create_study(study_name="smoke", storage=default_storage(load_study(STUDY), "runs/studies"))
+    capsys.readouterr()
+    assert main(["report", STUDY]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert f"no MLflow store at {tmp_cwd.resolve() / 'mlflow.db'}: pass the --tracking-uri the study ran with" in line
+    assert not (tmp_cwd / "mlflow.db").exists() and not (tmp_cwd / "reports").exists()
+
+
+def test_a_report_of_a_study_that_never_ran_leaves_no_empty_store_behind(tmp_cwd, capsys):
+    assert main(["report", STUDY]) == 2
+    assert "no study named 'smoke' in runs/studies/smoke/optuna.db" in _one_line(capsys.readouterr().err)
+    assert main(["report", STUDY, "--storage", "sqlite:///elsewhere.db"]) == 2
+    assert f"no study named 'smoke' in {tmp_cwd.resolve() / 'elsewhere.db'}" in _one_line(capsys.readouterr().err)
+    assert main(["study", "status", STUDY]) == 2
+    assert "run 'modbench study run' first" in _one_line(capsys.readouterr().err)
+    assert sorted(p.name for p in tmp_cwd.iterdir()) == []  # no runs/studies/smoke/optuna.db, no mlflow.db
+
+
+@pytest.mark.parametrize("key,value", [("capacity", "[true]"), ("capacity", "{low = true, high = 0.5}"),
+                                       ("capacity_first", "[false]")])
+def test_a_toml_boolean_is_not_a_capacity(tmp_cwd, capsys, key, value):
+    """``capacity = true`` would train at 1.0 (float(True)): refused like any other non-number."""
+    (tmp_cwd / "b.toml").write_text(f'[study]\nname = "b"\n[space]\nvariant = ["sigmoid"]\n{key} = {value}\n')
+    assert main(["study", "run", "b.toml"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert f"space.{key}" in line and "is not a number: expected a fraction in (0, 1]" in line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 
@@ -78,3 +79,131 @@ def test_train_help_states_the_grammars_and_choices(capsys):
                    "auto, cpu, cuda", "bf16 autocast on cuda, float32 on cpu",  # device and precision
                    "stdlib, tinyshakespeare, enwik8, arithmetic"):  # datasets
         assert needle in text, needle
+
+
+# --- a study's end: its table, its exit code, and hints that work as printed -------------------------
+
+TINY_STUDY = """[study]
+name = "tiny"
+seeds = [0]
+[model]
+depth = 2
+n_embd = 16
+head_dim = 8
+max_seq_len = 32
+[train]
+dataset = "arithmetic"
+seq_len = 16
+batch_size = 2
+budget = "steps=2"
+eval_every = 2
+eval_windows = 2
+[space]
+variant = ["dense", "sigmoid"]
+capacity = [0.5]
+"""
+
+
+@pytest.fixture
+def tiny_study(tmp_cwd):
+    path = tmp_cwd / "tiny.toml"
+    path.write_text(TINY_STUDY)
+    return path
+
+
+def test_a_study_whose_every_trial_failed_exits_non_zero_with_each_reason(tiny_study, capsys, monkeypatch):
+    from modbench.errors import ModbenchError
+    from modbench.study import runner
+
+    def out_of_data(*args, **kwargs):
+        raise ModbenchError("the dataset ran out of windows")
+
+    monkeypatch.setattr(runner, "train", out_of_data)
+    code = main(["study", "run", "tiny.toml", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert json.loads(out)["trials"] == {"FAIL": 2}  # stdout is still the one JSON document
+    assert err.count("failed: the dataset ran out of windows") == 2
+    assert err.strip().splitlines()[-1] == ("modbench: error: every trial of study tiny failed (2); the reasons are "
+                                            "in the lines above and in 'modbench study status'")
+
+
+def test_a_trial_that_fails_outside_training_still_says_why(tiny_study, capsys, monkeypatch):
+    """A failure after training (reading the objective) carries its reason, never "unknown reason"."""
+    from modbench.errors import ModbenchError
+    from modbench.study import runner
+
+    def no_objective(*args, **kwargs):
+        raise ModbenchError("the run record has no val/bpb")
+
+    monkeypatch.setattr(runner, "objective_values", no_objective)
+    assert main(["study", "run", "tiny.toml", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "unknown reason" not in err and err.count("failed: the run record has no val/bpb") == 2
+    assert main(["study", "status", "tiny.toml", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["fail_reason"] for r in rows] == ["the run record has no val/bpb"] * 2
+
+
+def test_study_run_ends_with_a_per_arm_table_and_a_report_hint_that_works(tiny_study, capsys):
+    out_dir = "elsewhere/studies"
+    assert main(["study", "run", "tiny.toml", "--tracking-uri", "other.db", "--out-dir", out_dir]) == 0
+    out, err = capsys.readouterr()
+    assert "{" not in out  # no dict repr of one seed
+    assert "filesystem tracking backend" not in err  # other.db is a SQLite store, not MLflow's file store
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    assert [c.strip() for c in table[0].strip("|").split("|")] == ["arm", "complete", "failed", "val/bpb", "val/causal_bpb"]
+    assert any(line.startswith("| dense ") for line in table) and any("sigmoid C=0.5" in line for line in table)
+    (hint,) = [line.removeprefix("report: ") for line in out.splitlines() if line.startswith("report: ")]
+    assert hint == "modbench report tiny.toml --tracking-uri sqlite:///other.db --out-dir elsewhere/studies"
+    assert main(shlex.split(hint)[1:] + ["--quiet"]) == 0  # the hint, run as printed
+    assert json.loads(capsys.readouterr().out)["report"] == "reports/tiny/report.md"
+    assert not (tiny_study.parent / "mlflow.db").exists() and not (tiny_study.parent / "runs").exists()
+    reproduce = (tiny_study.parent / "reports/tiny/report.md").read_text().split("## Reproduce")[1]
+    assert "modbench study run tiny.toml --tracking-uri sqlite:///other.db --out-dir elsewhere/studies" in reproduce
+
+
+def test_a_bare_db_path_is_a_sqlite_store_without_mlflow_s_file_store_notice(tmp_cwd, capsys):
+    from modbench.track.store import resolve_tracking_uri
+
+    assert resolve_tracking_uri("other.db") == f"sqlite:///{tmp_cwd.resolve()}/other.db"
+    assert resolve_tracking_uri("sqlite:///x.db") == "sqlite:///x.db"
+    assert main(["train", "--dataset", "arithmetic", "--budget", "steps=1", "--tracking-uri", "mlruns"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a folder path, MLflow's retired file store" in err and "\n" not in err
+
+
+def test_study_list_builds_no_model(monkeypatch, capsys):
+    """Listing is instant: the trial counts come from the study files, not from sizing models."""
+    from modbench.model import gpt
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("study list built a model")
+
+    monkeypatch.setattr(gpt.GPT, "__init__", no_model)
+    assert main(["study", "list", "--json"]) == 0
+    counts = {row["study"]: row["trials"] for row in json.loads(capsys.readouterr().out)}
+    assert counts["smoke"] == 4 and counts["quick"] > 0
+
+
+@pytest.mark.parametrize("name", ["paper_claims", "methods_shootout"])
+def test_study_list_counts_derived_controls_as_the_runner_will(name):
+    from modbench.cli.study import planned_trials
+    from modbench.config.study import load_study
+    from modbench.model.sizing import study_arms
+    from modbench.study.tuning import plan
+
+    study = load_study(name)
+    assert study.settings.controls  # a study with derived controls: the count that sizing decides
+    if study.tune.lr_mult:  # a staged study ([tune]): what its first stage queues, the models sized
+        assert planned_trials(study) == len(plan(study, [], []).queue)
+    else:
+        assert planned_trials(study) == len(study_arms(study)) * len(study.settings.seeds)
+
+
+def test_train_json_prints_exactly_one_json_document(tmp_cwd, capsys):
+    assert main(["train", "--dataset", "arithmetic", "--depth", "2", "--n-embd", "16", "--head-dim", "8",
+                 "--max-seq-len", "32", "--seq-len", "16", "--batch-size", "2", "--budget", "steps=1",
+                 "--eval-windows", "2", "--no-track", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)  # the whole of stdout parses
+    assert summary["steps"] == 1

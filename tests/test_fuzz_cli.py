@@ -114,4 +114,13 @@ def test_the_stubs_are_reached_by_valid_input(argv, entry_points_stubbed):
     """So that 'accepted' in the fuzz means what it says."""
     if argv == ["ui"]:
         (entry_points_stubbed / "mlflow.db").touch()  # the UI needs a store to serve
+    if argv[0] == "report":  # a report needs the study's trials (it never creates an empty store)
+        import optuna
+
+        from modbench.config.study import load_study
+        from modbench.track.optuna_store import default_storage
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        optuna.create_study(study_name="quick", storage=default_storage(load_study("quick"), "runs/studies"))
+        (entry_points_stubbed / "mlflow.db").touch()  # and the MLflow store its runs are in
     assert run_cli(argv)[0] == "accepted"

@@ -114,3 +114,28 @@ def test_a_file_that_is_not_a_database_as_the_mlflow_store_is_one_line(tmp_cwd, 
     assert main(["train", "--dataset", "arithmetic", "--budget", "steps=1", "--depth", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "file is not a database" in err and "--tracking-uri" in err and "\n" not in err
+
+
+def test_ui_keeps_a_store_password_off_the_screen_and_the_server_command_line(tmp_cwd, capsys, monkeypatch):
+    """``ps`` shows every process's command line to every user: the store goes in the environment."""
+    import socket
+
+    import modbench.cli.ui as ui
+
+    launched = {}
+
+    def serve(cmd, env):
+        launched.update(cmd=cmd, env=env)
+        return 0
+
+    monkeypatch.setattr(ui, "serve", serve)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uri = "postgresql+psycopg://alice:S3CRET@127.0.0.1:1/mlflow"
+    assert main(["ui", "--tracking-uri", uri, "--port", str(port)]) == 0
+    out = capsys.readouterr()
+    assert "S3CRET" not in out.out + out.err and "alice:***@" in out.out
+    assert "S3CRET" not in " ".join(launched["cmd"])
+    assert launched["env"]["MLFLOW_BACKEND_STORE_URI"] == uri
+    assert launched["env"]["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"  # no GenAI job runner

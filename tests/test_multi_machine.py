@@ -89,14 +89,32 @@ def stop_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
     proc.wait(timeout=timeout_s)
 
 
-def readme_server_command() -> list[str]:
-    """The ``mlflow server`` command of the README's several-machines recipe, as argv."""
+def readme_server_command() -> tuple[dict[str, str], list[str]]:
+    """The ``mlflow server`` command of the README's several-machines recipe: its environment
+    assignments (``VAR=value mlflow server …``) and its argv."""
     text = README.read_text()
     section = text[text.index("**Workers on several machines.**"):]
     block = section[section.index("```bash") + len("```bash"):section.index("```", section.index("```bash") + 7)]
     joined = block.replace("\\\n", " ")
-    line = next(ln for ln in joined.splitlines() if ln.strip().startswith("mlflow server"))
-    return shlex.split(line)
+    line = next(ln for ln in joined.splitlines() if "mlflow server" in ln and not ln.lstrip().startswith("#"))
+    words = shlex.split(line)
+    start = words.index("mlflow")
+    env = dict(w.split("=", 1) for w in words[:start])
+    return env, words[start:]
+
+
+def as_run_here(argv: list[str], port: int, backend_store: str, artifacts: Path) -> list[str]:
+    """The README's server command with only its placeholders filled in: this test's port, database
+    and artifact folder (the host names, the host list and every other option as written)."""
+    values = {"--port": str(port), "--backend-store-uri": backend_store, "--artifacts-destination": str(artifacts)}
+    out = []
+    for i, word in enumerate(argv):
+        if i and argv[i - 1] in values:
+            word = values[argv[i - 1]]
+        elif i and argv[i - 1] in ("--allowed-hosts", "--cors-allowed-origins"):
+            word = word.replace(":5000", f":{port}")
+        out.append(word)
+    return out
 
 
 def option(argv: list[str], name: str) -> str | None:
@@ -112,7 +130,7 @@ def test_readme_server_accepts_the_host_name_its_workers_use():
     """MLflow >= 3.5 answers 403 "Invalid Host header" to any name outside --allowed-hosts
     (default: localhost and private IPs), so the recipe's server must list the name and port
     its workers and report reach it by."""
-    argv = readme_server_command()
+    env, argv = readme_server_command()
     text = README.read_text()
     section = text[text.index("**Workers on several machines.**"):]
     uris = set(re.findall(r"--tracking-uri (http://[^\s`]+)", section.split("## Reports")[0]))
@@ -125,57 +143,66 @@ def test_readme_server_accepts_the_host_name_its_workers_use():
         assert uri.rstrip("/") in origins, f"--cors-allowed-origins {origins}: the UI at {uri} could not POST"
     assert option(argv, "--artifacts-destination"), "artifacts must be proxied: workers see no shared folder"
     assert "--no-serve-artifacts" not in argv
+    # An explicit list replaces MLflow's default (localhost and private IPs): an SSH-tunnelled UI
+    # and a worker on the tracking host itself reach it as localhost or 127.0.0.1, on any port.
+    from mlflow.server.security_utils import is_allowed_host_header
+
+    for host in ("localhost:5000", "127.0.0.1:5000", "localhost:8080"):
+        assert is_allowed_host_header(allowed, host), f"--allowed-hosts {allowed} refuses {host}"
+    assert env.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION") == "false", "the GenAI job runner: 10 processes, ~3 GB"
+    backend = option(argv, "--backend-store-uri")
+    assert backend.startswith("postgresql") and "@" in backend and ":" not in backend.split("://")[1].split("@")[0], \
+        "the recipe's database URL carries no password (PGPASSWORD or ~/.pgpass do)"
 
 
 @pytest.fixture
 def tracking_server(tmp_path):
-    """A real MLflow tracking server on 127.0.0.1, started with the README recipe's options (its
-    own database, proxied artifacts, the allowed host name); yields (uri, port, artifact root)."""
-    store, artifacts = tmp_path / "server" / "store", tmp_path / "server" / "artifacts"
-    store.mkdir(parents=True)
+    """A real MLflow tracking server, started by the README recipe's command as written (PostgreSQL
+    behind it, proxied artifacts, its host list, no GenAI job runner) with only the port, database
+    and artifact folder filled in; yields (uri, port, artifact root, its database URL)."""
+    if not POSTGRES:
+        pytest.skip("set MODBENCH_TEST_POSTGRES_URL (CI starts PostgreSQL on 127.0.0.1)")
+    artifacts = tmp_path / "server" / "artifacts"
     artifacts.mkdir(parents=True)
     log = tmp_path / "server" / "server.log"
+    readme_env, readme_argv = readme_server_command()
     mlflow = Path(sys.executable).with_name("mlflow")
     base = [str(mlflow)] if mlflow.exists() else [sys.executable, "-m", "mlflow"]
     proc = None
-    try:
-        for _attempt in range(3):  # a port taken between free_port() and the bind: another port
-            port = free_port()
-            argv = base + ["server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-                           "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
-                           "--artifacts-destination", str(artifacts),
-                           # The recipe's name for the tracking host, and the address this test's
-                           # processes reach it by (an explicit list replaces MLflow's defaults).
-                           "--allowed-hosts", f"{TRACKING_HOST}:{port},127.0.0.1:{port}",
-                           "--cors-allowed-origins", f"http://{TRACKING_HOST}:{port}"]
-            with open(log, "w") as out:
-                # No GenAI job runner (a dozen extra processes this recipe never uses).
-                env = isolated_env(tmp_path / "server" / "home", MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-                proc = subprocess.Popen(argv, cwd=store, env=env,
-                                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-            deadline = time.monotonic() + SERVER_START_S
-            while proc.poll() is None and time.monotonic() < deadline:
-                try:
-                    status, _ = request(port, "/api/2.0/mlflow/experiments/search?max_results=1")
-                    if status == 200:
-                        break
-                except OSError:
-                    pass
-                time.sleep(0.25)  # polling interval; the trigger is the server's answer
+    with fresh_database() as database:
+        if database is None:
+            pytest.skip("the PostgreSQL user may not create databases (the server needs its own)")
+        try:
+            for _attempt in range(3):  # a port taken between free_port() and the bind: another port
+                port = free_port()
+                argv = base + as_run_here(readme_argv, port, database, artifacts)[1:]
+                with open(log, "w") as out:
+                    env = isolated_env(tmp_path / "server" / "home", **readme_env)
+                    proc = subprocess.Popen(argv, cwd=tmp_path / "server", env=env,
+                                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                deadline = time.monotonic() + SERVER_START_S
+                while proc.poll() is None and time.monotonic() < deadline:
+                    try:
+                        status, _ = request(port, "/api/2.0/mlflow/experiments/search?max_results=1")
+                        if status == 200:
+                            break
+                    except OSError:
+                        pass
+                    time.sleep(0.25)  # polling interval; the trigger is the server's answer
+                else:
+                    if proc.poll() is None:
+                        pytest.fail(f"the MLflow server did not answer within {SERVER_START_S:g} s:\n{log.read_text()[-3000:]}")
+                    if "already in use" in log.read_text() or "Address in use" in log.read_text():
+                        stop_group(proc)
+                        continue
+                    pytest.fail(f"the MLflow server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+                break
             else:
-                if proc.poll() is None:
-                    pytest.fail(f"the MLflow server did not answer within {SERVER_START_S:g} s:\n{log.read_text()[-3000:]}")
-                if "already in use" in log.read_text() or "Address in use" in log.read_text():
-                    stop_group(proc)
-                    continue
-                pytest.fail(f"the MLflow server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            break
-        else:
-            pytest.fail("no free port for the MLflow server after 3 tries")
-        yield f"http://127.0.0.1:{port}", port, artifacts
-    finally:
-        if proc is not None:
-            stop_group(proc)
+                pytest.fail("no free port for the MLflow server after 3 tries")
+            yield f"http://127.0.0.1:{port}", port, artifacts, database
+        finally:
+            if proc is not None:
+                stop_group(proc)
 
 
 @contextmanager
@@ -263,10 +290,11 @@ def files_under(root: Path) -> set[str]:
 @pytest.mark.postgres
 @pytest.mark.skipif(not POSTGRES, reason="set MODBENCH_TEST_POSTGRES_URL (CI starts PostgreSQL on 127.0.0.1)")
 def test_two_workers_and_a_report_through_a_tracking_server_share_no_files(tmp_path, tracking_server, postgres_url):
-    uri, port, artifact_root = tracking_server
-    # The server answers the name the recipe's workers use, and refuses one it was not given:
-    # the host check is on, and --allowed-hosts is what lets the workers in.
-    assert request(port, "/api/2.0/mlflow/experiments/search?max_results=1", f"{TRACKING_HOST}:{port}")[0] == 200
+    uri, port, artifact_root, _ = tracking_server
+    # The server answers the name the recipe's workers use, and localhost and 127.0.0.1 (a tunnelled
+    # UI, a worker on the tracking host), and refuses a name it was not given: the host check is on.
+    for host in (f"{TRACKING_HOST}:{port}", f"localhost:{port}", f"127.0.0.1:{port}"):
+        assert request(port, "/api/2.0/mlflow/experiments/search?max_results=1", host)[0] == 200, host
     status, body = request(port, "/api/2.0/mlflow/experiments/search?max_results=1", f"elsewhere.example:{port}")
     assert status == 403 and "Invalid Host header" in body
 
@@ -275,12 +303,14 @@ def test_two_workers_and_a_report_through_a_tracking_server_share_no_files(tmp_p
     workers_dirs = [tmp_path / "worker_a", tmp_path / "worker_b"]
     # The recipe's worker command; --n-trials 3 (half the grid each) makes both workers take part
     # however unevenly a loaded machine schedules them, so "both ran trials" is never luck.
-    args = ["study", "run", str(study), "--tracking-uri", uri, "--storage", postgres_url, "--n-trials", "3", "--quiet"]
+    # The storage comes from $MODBENCH_STORAGE, as in the recipe.
+    args = ["study", "run", str(study), "--tracking-uri", uri, "--n-trials", "3", "--quiet"]
     workers = []
     try:
         for d in workers_dirs:
             d.mkdir()
-            workers.append(subprocess.Popen(modbench_command() + args, cwd=d, env=isolated_env(tmp_path / f"home_{d.name}"),
+            env = isolated_env(tmp_path / f"home_{d.name}", MODBENCH_STORAGE=postgres_url)
+            workers.append(subprocess.Popen(modbench_command() + args, cwd=d, env=env,
                                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                             start_new_session=True))
         outputs = [w.communicate(timeout=600)[0] for w in workers]

@@ -51,12 +51,17 @@ def test_wheel_holds_only_modbench_and_its_studies(tmp_path):
     outside.mkdir()
     code = ("import importlib.util as u, modbench.variants, modbench.cli.main; "
             "assert u.find_spec('harness') is None and u.find_spec('variants') is None; "
-            "import modbench; print(modbench.__file__)")
+            "import modbench; print(modbench.__file__); "
+            "from modbench.track.provenance import git_sha; print(git_sha())")
     # PYTHONPATH puts the unpacked wheel ahead of the development install's finder.
     ran = subprocess.run([sys.executable, "-c", code], cwd=outside, capture_output=True, text=True,
                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"})
     assert ran.returncode == 0, ran.stderr[-2000:]
-    assert ran.stdout.strip().startswith(str(site))
+    location, sha = ran.stdout.split()
+    assert location.startswith(str(site))
+    # Outside any checkout, runs still name the commit the wheel was built from.
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    assert head and sha.removesuffix("-dirty") == head
 
     # The user's path after `pip install modbench`, in an empty directory: the commands, the shipped
     # studies by name, a study run and its report, all from the installed wheel alone.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from modbench.cli.common import add_tracking_flag, tracking_uri_of
@@ -70,6 +71,31 @@ def load_model(path: Path, device, run_id: str | None = None):
     return model.to(device).eval(), cfg
 
 
+@contextmanager
+def _memory_is_one_line(batch: int, device):
+    """The machine's memory running out (a --batch too large for it) as one line, not a traceback."""
+    import torch
+
+    try:
+        yield
+    except (MemoryError, torch.OutOfMemoryError) as e:
+        raise ModbenchError(f"--batch {batch} needs more memory than {device} has ({_first_line(e)}); "
+                            "pass a smaller --batch or --max-new-tokens") from None
+    except RuntimeError as e:  # the CPU allocator says so in a RuntimeError
+        if "can't allocate memory" not in str(e) and "not enough memory" not in str(e):
+            raise
+        raise ModbenchError(f"--batch {batch} needs more memory than {device} has ({_first_line(e)}); "
+                            "pass a smaller --batch or --max-new-tokens") from None
+
+
+def _first_line(e: BaseException) -> str:
+    asked = re.search(r"tried to allocate [0-9.]+ ?[KMGT]?i?B(ytes)?", str(e))  # torch names the size it wanted
+    if asked:
+        return asked.group(0)
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return (lines[0] if lines else type(e).__name__)[:160]
+
+
 def run(args) -> int:
     import torch
 
@@ -96,12 +122,13 @@ def run(args) -> int:
             f"prompt ({len(prompt_bytes)} bytes) + --max-new-tokens {args.max_new_tokens} = {total} exceeds the "
             f"model's max_seq_len {cfg.model.max_seq_len}"
         )
-    prompt = torch.tensor(list(prompt_bytes), dtype=torch.long).unsqueeze(0).repeat(args.batch, 1)
     temperature = 0.0 if args.greedy else args.temperature
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
     kw = dict(temperature=temperature, top_k=args.top_k, seed=args.seed, autocast=autocast)
-    out = generate(model, prompt, args.max_new_tokens, mode="causal", **kw)
-    dense = None if args.no_dense else generate(model, prompt, args.max_new_tokens, mode="dense", **kw)
+    with _memory_is_one_line(args.batch, device):
+        prompt = torch.tensor(list(prompt_bytes), dtype=torch.long).unsqueeze(0).repeat(args.batch, 1)
+        out = generate(model, prompt, args.max_new_tokens, mode="causal", **kw)
+        dense = None if args.no_dense else generate(model, prompt, args.max_new_tokens, mode="dense", **kw)
     texts = [bytes(row.tolist()).decode("utf-8", errors="replace") for row in out.new_tokens.cpu()]
     summary = {
         "variant": cfg.routing.variant,

@@ -48,7 +48,10 @@ def _tracked_train_uri(argv: Sequence[str]) -> str | None:
             flag = argv[i + 1]
         elif arg.startswith("--tracking-uri="):
             flag = arg.split("=", 1)[1]
-    return resolve_tracking_uri(flag)
+    try:
+        return resolve_tracking_uri(flag)
+    except ModbenchError:  # the command itself says so, in its one line
+        return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

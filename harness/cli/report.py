@@ -4,17 +4,34 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
-from modbench.cli.common import add_tracking_flag, tracking_uri_of
+from modbench.cli.common import (DEFAULT_OUT_DIR, add_storage_flag, add_tracking_flag, storage_of, study_command,
+                                 tracking_uri_of)
 
 
 def run(args) -> int:
-    from modbench.report.build import build_report, command_line
+    from modbench.config.study import load_study
+    from modbench.report.build import build_report
+    from modbench.track.checkpoint import check_writable
+    from modbench.track.optuna_store import existing_storage
+    from modbench.track.store import check_sqlite_store
 
     if args.quiet or args.json:  # MLflow's own bars while fetching checkpoints, too
         os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
-    path = build_report(args.study_file, uri=tracking_uri_of(args), storage=args.storage, out_dir=args.out_dir, reports_dir=args.reports_dir,
-                        command=command_line(), progress=not (args.quiet or args.json))
+    # Everything the report needs is checked before the minutes it takes: the study, its trials,
+    # the MLflow store and the folder the report goes to.
+    uri, storage = tracking_uri_of(args), storage_of(args)
+    check_sqlite_store(uri)
+    study = load_study(args.study_file)
+    storage = existing_storage(study, args.out_dir, storage)
+    check_sqlite_store(uri, must_exist=True)  # the study ran: its runs must be in this store
+    check_writable(Path(args.reports_dir) / study.name, "--reports-dir")
+    flags = dict(tracking_uri=uri, storage=storage_of(args), out_dir=args.out_dir, travels=True)
+    reproduce = "\n".join([study_command(["study", "run", args.study_file], **flags),
+                           study_command(["report", args.study_file, *_reports_dir_words(args.reports_dir)], **flags)])
+    path = build_report(args.study_file, uri=uri, storage=storage, out_dir=args.out_dir, reports_dir=args.reports_dir,
+                        command=reproduce, progress=not (args.quiet or args.json), tuning=_tuning_table)
     if args.quiet or args.json:
         print(json.dumps({"report": str(path)}))
     else:
@@ -22,11 +39,22 @@ def run(args) -> int:
     return 0
 
 
+def _tuning_table(study, trials):
+    """The study runner's per-family tuning table, for the report (a report may not import study)."""
+    from modbench.study.tuning import family_table, points_from_frame
+
+    return family_table(study, points_from_frame(trials))
+
+
+def _reports_dir_words(reports_dir: str) -> list[str]:
+    return [] if Path(reports_dir) == Path("reports") else ["--reports-dir", reports_dir]
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("report", help="statistics, tables and plots of a study as markdown")
     p.add_argument("study_file", help="a study file, or the name of a shipped study (modbench study list)")
-    p.add_argument("--storage", help="Optuna storage URL (default: SQLite in --out-dir)")
-    p.add_argument("--out-dir", default="runs/studies", help="where the study's SQLite storage and checkpoints are (default: runs/studies)")
+    add_storage_flag(p)
+    p.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where the study's SQLite storage and checkpoints are (default: runs/studies)")
     p.add_argument("--reports-dir", default="reports", help="the report goes to <reports-dir>/<study>/ (default: reports)")
     add_tracking_flag(p)
     p.add_argument("--quiet", action="store_true", help="no progress bars; print one JSON line")

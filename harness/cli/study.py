@@ -5,86 +5,176 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from modbench.cli.common import add_tracking_flag, tracking_uri_of
+from modbench.cli.common import (DEFAULT_OUT_DIR, add_storage_flag, add_tracking_flag, storage_of, study_command,
+                                 tracking_uri_of)
 from modbench.errors import ModbenchError, redact
 
 
 def _storage_for(args) -> tuple[str, str]:
     """(study name, storage URL) for status: a study file or a name in --out-dir."""
-    from modbench.track.optuna_store import default_storage
-    from modbench.config.study import load_study
-
-    from modbench.config.study import shipped_studies
+    from modbench.config.study import load_study, shipped_studies
+    from modbench.track.optuna_store import existing_storage
 
     target = Path(args.study)
+    storage = storage_of(args)
     if target.suffix == ".toml" or target.is_file() or args.study in shipped_studies():
         study = load_study(args.study)
-        return study.name, args.storage or default_storage(study, args.out_dir)
-    if args.storage:
-        return args.study, args.storage
+        return study.name, existing_storage(study, args.out_dir, storage)
+    if storage:
+        return args.study, storage
     db = Path(args.out_dir) / args.study / "optuna.db"
     if not db.is_file():
-        raise ModbenchError(f"no study {args.study!r} under {args.out_dir}: give the study file, or --storage URL")
+        raise ModbenchError(f"no study {args.study!r} under {args.out_dir}: give the study file, or --storage URL (or $MODBENCH_STORAGE)")
     return args.study, f"sqlite:///{db.resolve()}"
 
 
 def run(args) -> int:
+    from modbench.config.study import load_study
     from modbench.study.runner import run_study
+    from modbench.track.optuna_store import trials_frame
 
-    outcome = run_study(args.study_file, storage=args.storage, out_dir=args.out_dir, n_trials=args.n_trials,
-                        progress=not args.quiet, heartbeat=args.heartbeat, grace=args.grace,
-                        tracking_uri=tracking_uri_of(args))
+    uri, storage = tracking_uri_of(args), storage_of(args)
+    outcome = run_study(args.study_file, storage=storage, out_dir=args.out_dir, n_trials=args.n_trials,
+                        progress=not args.quiet, heartbeat=args.heartbeat, grace=args.grace, tracking_uri=uri)
+    objectives = load_study(args.study_file).settings.objectives
+    arms = arm_summary(trials_frame(outcome.name, outcome.storage), objectives)
+    report = study_command(["report", args.study_file], tracking_uri=uri, storage=storage, out_dir=args.out_dir)
     summary = {"study": outcome.name, "storage": redact(outcome.storage), "ran": outcome.ran, "trials": outcome.counts,
-               "best": outcome.best, "seconds": round(outcome.seconds, 1)}
+               "arms": arms.to_dict(orient="records"), "seconds": round(outcome.seconds, 1), "report": report}
+    if outcome.stages:
+        summary["stages"] = outcome.stages
     if args.quiet or args.json:
         print(json.dumps(summary))
     else:
-        print(f"study {outcome.name}: ran {outcome.ran} trials in {outcome.seconds:.0f}s; trials by state {outcome.counts}")
-        if outcome.best:
-            print(f"best so far: {outcome.best}")
-        print(f"storage: {redact(outcome.storage)}\ncompare runs: modbench ui {args.study_file}; "
-              f"report: modbench report {args.study_file}")
+        print(f"study {outcome.name}: ran {outcome.ran} trials in {outcome.seconds:.0f}s; trials by state "
+              + ", ".join(f"{state} {n}" for state, n in sorted(outcome.counts.items())))
+        if outcome.stages:
+            from modbench.study.runner import stage_line
+
+            print(stage_line(outcome.stages))
+        if len(arms):
+            print("per arm (objectives: mean over finished seeds):\n" + arms.to_markdown(index=False, floatfmt=".4f"))
+        print(f"storage: {redact(outcome.storage)}\ncompare runs: {compare_hint(args.study_file, uri)}\nreport: {report}")
+    if outcome.counts.get("FAIL", 0) and not outcome.counts.get("COMPLETE", 0):
+        raise StudyFailed(f"every trial of study {outcome.name} failed ({outcome.counts['FAIL']}); "
+                          "the reasons are in the lines above and in 'modbench study status'")
     return 0
+
+
+def compare_hint(study_file: str, uri: str) -> str:
+    """Where to compare the runs: ``modbench ui`` over a store, or the tracking server's own UI."""
+    if uri.split("://", 1)[0].lower() in ("http", "https"):
+        from modbench.cli.ui import TRAINING_LAYOUT
+
+        return f"{redact(uri).rstrip('/')}/#/experiments?{TRAINING_LAYOUT}"
+    return study_command(["ui", study_file], tracking_uri=uri, storage=None)
+
+
+class StudyFailed(ModbenchError):
+    """No trial of the study finished: not a user's typo, but not a success either."""
+
+    exit_code = 1
+
+
+def arm_summary(trials, objectives: list[str]):
+    """One row per arm: finished and failed trials, and each objective's mean over finished seeds."""
+    import pandas as pd
+
+    if trials.empty or "arm" not in trials:
+        return pd.DataFrame()
+    shown = [o for o in dict.fromkeys([*objectives, "val/causal_bpb"]) if o in trials]
+    rows = []
+    for arm, g in trials.groupby("arm", sort=False):
+        done = g[g.state == "COMPLETE"]
+        row = {"arm": arm, "complete": len(done), "failed": int((g.state == "FAIL").sum())}
+        row.update({o: (float(pd.to_numeric(done[o]).mean()) if len(done) else None) for o in shown})
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def status(args) -> int:
     from modbench.track.optuna_store import trials_frame
+    from modbench.track.store import shell_url
 
     name, url = _storage_for(args)
     df = trials_frame(name, url)
-    url = redact(url)  # what is shown from here on
+    dashboard = f"optuna-dashboard {shell_url(url)}"  # a password as a reference to $PGPASSWORD
+    raw_url, url = url, redact(url)  # what is shown from here on
     by_state = df["state"].value_counts().to_dict() if len(df) else {}
+    from modbench.study.runner import stage_line, stage_status
+
+    stages = stage_status(name, raw_url)  # a study with [tune]: its stages so far
     if args.json:
         print(json.dumps({"study": name, "storage": url, "trials": by_state,
-                          "rows": json.loads(df.to_json(orient="records")) if len(df) else []}))
+                          "rows": json.loads(df.to_json(orient="records")) if len(df) else [],
+                          **({"stages": stages} if stages else {})}))
         return 0
     print(f"study {name} ({url}): {len(df)} trials — " + ", ".join(f"{k} {v}" for k, v in sorted(by_state.items())))
+    if stages:
+        print(stage_line(stages))
     if len(df):
         cols = [c for c in ("number", "state", "arm", "seed", "val/bpb", "val/causal_bpb", "perf/flops_per_token",
                                "perf/train_tokens_per_s") if c in df]
         print(df[cols].to_markdown(index=False, floatfmt=".4g"))
-    print(f"live dashboard: optuna-dashboard {url}")
+    print(f"live dashboard: {dashboard}")
     return 0
 
 
 def list_studies(args) -> int:
     """The studies shipped with modbench: name, size (arms × seeds), first line of the description."""
     from modbench.config.study import load_study, shipped_studies
-    from modbench.model.sizing import study_arms
 
     rows = []
     for name, path in sorted(shipped_studies().items()):
         s = load_study(path)
-        arms = len(study_arms(s)) if s.settings.sampler == "grid" else s.settings.n_trials
-        rows.append({"study": name, "trials": arms * len(s.settings.seeds),
+        rows.append({"study": name, "trials": planned_trials(s), "staged": bool(s.tune.lr_mult),
                      "description": (s.settings.description.strip().splitlines() or [""])[0]})
     if args.json:
         print(json.dumps(rows))
     else:
         for r in rows:
-            print(f"{r['study']:<18} {r['trials']:>4} trials  {r['description']}")
+            count = f"≥ {r['trials']:>3}" if r["staged"] else f"{r['trials']:>5}"
+            print(f"{r['study']:<18} {count} trials  {r['description']}")
+        if any(r["staged"] for r in rows):
+            print(f"≥ N trials: {STAGED_COUNT}")
         print("run one with: modbench study run NAME; read one with: modbench study show NAME")
     return 0
+
+
+STAGED_COUNT = "tuning stage; later stages add extensions, confirmation and extra seeds"
+
+
+def planned_trials(study) -> int:
+    """Trials a study plans, counted without building a model (``study list`` must be instant):
+    a grid's arms, plus one derived control per kind for each routed shape, as
+    ``modbench.model.sizing.control_arms`` derives them (sizing them needs the models); times seeds.
+    A study with ``[tune]`` plans in stages (``modbench.study.tuning.plan``): the count is what
+    its first stage queues, a lower bound on the whole: every family that follows no other
+    (``tuning.leader_of``: the random controls run at their learned arm's value later), derived
+    controls included, at each value of the grid on the tuning seed."""
+    if study.settings.sampler != "grid":
+        return study.settings.n_trials * len(study.settings.seeds)
+    if study.tune.lr_mult:
+        from modbench.study.tuning import family_of, leader_of
+
+        declared = list(dict.fromkeys(family_of(a) for a in study.arms()))
+        tuned = [f for f in declared if leader_of(f, declared) is None]
+        return (len(tuned) + _derived_controls(study)) * len(study.tune.lr_mult)
+    return (len(study.arms()) + _derived_controls(study)) * len(study.settings.seeds)
+
+
+def _derived_controls(study) -> int:
+    """The control arms ``study.controls`` derive: one per kind for each routed shape of [space]
+    (the iso-token control only at a FLOP budget)."""
+    from modbench.config.budget import Budget
+
+    wanted = study.settings.controls
+    shapes = {(a.capacity, a.capacity_first, a.pattern, a.schedule, a.depth, a.width, a.budget, a.lr_mult)
+              for a in study.main_arms() if a.variant != "dense"}
+    controls = len(shapes) if "matched_dense" in wanted else 0
+    if "iso_token_dense" in wanted:
+        controls += sum(Budget.parse(shape[6]).kind == "flops" for shape in shapes)
+    return controls
 
 
 def show_study(args) -> int:
@@ -96,7 +186,14 @@ def show_study(args) -> int:
     path = find_study(args.study)
     s = load_study(path)  # a file that does not validate is an error here too
     print(path.read_text(encoding="utf-8"), end="")
-    if s.settings.sampler == "grid":  # what will run, derived control arms included (as TOML comments)
+    if s.tune.lr_mult:  # a staged study: what its first stage queues (as TOML comments)
+        from modbench.study.tuning import plan
+
+        queue = plan(s, [], []).queue
+        print(f"\n# ≥ {len(queue)} trials: {STAGED_COUNT}")
+        for arm, seed in queue:
+            print(f"#   {s.label(arm)}  [seed {seed}]")
+    elif s.settings.sampler == "grid":  # what will run, derived control arms included (as TOML comments)
         arms = study_arms(s)
         print(f"\n# The grid: {len(arms)} arms × {len(s.settings.seeds)} seeds")
         for arm in arms:
@@ -109,8 +206,8 @@ def add_parser(sub) -> None:
     ssub = p.add_subparsers(dest="study_command", required=True, parser_class=type(p))
     r = ssub.add_parser("run", help="run (or resume) a study; several workers may run it against one --storage")
     r.add_argument("study_file", help="a study file, or the name of a shipped study (modbench study list)")
-    r.add_argument("--storage", help="Optuna storage URL (default: SQLite in --out-dir), e.g. postgresql+psycopg://user@host/db")
-    r.add_argument("--out-dir", default="runs/studies", help="where SQLite storage and trial checkpoints go")
+    add_storage_flag(r)
+    r.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where SQLite storage and trial checkpoints go")
     r.add_argument("--n-trials", type=int, help="run at most this many trials now")
     r.add_argument("--heartbeat", type=int, default=10, help="seconds between trial heartbeats")
     r.add_argument("--grace", type=int, default=30, help="seconds without heartbeat before a trial counts as dead and is retried")
@@ -126,7 +223,7 @@ def add_parser(sub) -> None:
     sh.set_defaults(func=show_study)
     s = ssub.add_parser("status", help="trials by state")
     s.add_argument("study", help="study file or study name")
-    s.add_argument("--storage", help="Optuna storage URL (default: SQLite in --out-dir)")
-    s.add_argument("--out-dir", default="runs/studies", help="where the SQLite storage is (default: runs/studies)")
+    add_storage_flag(s)
+    s.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where the SQLite storage is (default: runs/studies)")
     s.add_argument("--json", action="store_true", help="print the counts as JSON")
     s.set_defaults(func=status)

@@ -30,10 +30,10 @@ def run(args) -> int:
             if main:
                 print(cfg.to_toml(), end="")
             return 0
-        if main and not args.quiet:
+        uri = tracking_uri_of(args) if cfg.train.track else None
+        if main and not (args.quiet or args.json):  # --json: stdout is the one JSON document
             print(f"modbench train: {describe(cfg.model, cfg.routing)}")
             print(cfg.to_json())
-        uri = tracking_uri_of(args) if cfg.train.track else None
         # One process: Ctrl-C/SIGTERM stop between two steps (modbench.interrupts). Under
         # torchrun every rank must stop at the same step, which a per-process flag cannot
         # promise, so there the signal interrupts where it lands and torchrun ends the group.

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 
-from modbench.errors import ModbenchError
+from modbench.errors import ModbenchError, redact
 
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
@@ -24,7 +24,7 @@ _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 def resolve_store(backend_store_uri: str | None) -> str:
     """The backend store URI to serve; ModbenchError when it is a server already or a
     SQLite file that does not exist (``mlflow server`` would create an empty one)."""
-    from modbench.track.store import resolve_tracking_uri, sqlite_db_path
+    from modbench.track.store import check_sqlite_store, resolve_tracking_uri, sqlite_db_path
 
     uri = resolve_tracking_uri(backend_store_uri)
     if uri.split("://", 1)[0].lower() in ("http", "https"):
@@ -35,6 +35,7 @@ def resolve_store(backend_store_uri: str | None) -> str:
     if db is not None and not db.is_file():
         raise ModbenchError(f"no MLflow store at {db}: run 'modbench study run STUDY_FILE' or 'modbench train' "
                             "in this directory first, or pass --backend-store-uri")
+    check_sqlite_store(uri, "--tracking-uri")  # mlflow server would die on it with a traceback
     return uri
 
 
@@ -76,10 +77,11 @@ def study_experiment_id(uri: str, study_file: str) -> str:
 
 
 def server_command(uri: str, host: str, port: int) -> list[str]:
-    """The ``mlflow server`` command line for ``uri``."""
+    """The ``mlflow server`` command line for ``uri``; the store itself goes in the environment
+    (:func:`server_environment`), since a command line is shown by ``ps`` to every user."""
     from modbench.track.store import artifact_root
 
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
+    cmd = [sys.executable, "-m", "mlflow", "server",
            "--host", host, "--port", str(port),
            "--workers", "1"]  # one user browsing: each extra worker is another MLflow import and ~300 MB
     root = artifact_root(uri)
@@ -101,6 +103,15 @@ def ui_url(host: str, port: int, experiment_id: str | None = None) -> str:
         shown = f"[{shown}]"
     url = f"http://{shown}:{port}/"
     return url + (f"#/experiments/{experiment_id}/runs" if experiment_id else "#/experiments") + f"?{TRAINING_LAYOUT}"
+
+
+def server_environment(uri: str) -> dict[str, str]:
+    """This process's environment for the server: ``uri`` as its backend store (``mlflow server``
+    reads ``MLFLOW_BACKEND_STORE_URI`` as ``--backend-store-uri``), and no GenAI job runner, which a
+    results browser does not need (10 more processes and about 3 GB)."""
+    env = dict(os.environ, MLFLOW_BACKEND_STORE_URI=uri)
+    env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+    return env
 
 
 def serve(cmd: list[str], env: dict[str, str]) -> int:
@@ -133,11 +144,8 @@ def run(args) -> int:
     uri = resolve_store(args.backend_store_uri)
     check_port(args.host, args.port)
     experiment_id = study_experiment_id(uri, args.study_file) if args.study_file else None
-    env = dict(os.environ)
-    # The server's background job runner is for GenAI judges; a results browser does not need it.
-    env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
-    print(f"MLflow UI for {uri}: {ui_url(args.host, args.port, experiment_id)} (Ctrl-C to stop)", flush=True)
-    return serve(server_command(uri, args.host, args.port), env)
+    print(f"MLflow UI for {redact(uri)}: {ui_url(args.host, args.port, experiment_id)} (Ctrl-C to stop)", flush=True)
+    return serve(server_command(uri, args.host, args.port), server_environment(uri))
 
 
 def add_parser(sub) -> None:

@@ -22,6 +22,8 @@ SCHEDULES = ("constant", "log")
 
 
 def check_capacity(capacity: float) -> float:
+    if isinstance(capacity, bool):  # float(True) is 1.0: a TOML `capacity = true` is a mistake, not dense
+        raise ModbenchError(f"capacity {capacity!r} is not a number: expected a fraction in (0, 1]")
     try:
         c = float(capacity)
     except (TypeError, ValueError):

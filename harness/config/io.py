@@ -131,6 +131,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ModbenchError(f"{p}: not valid TOML ({e})") from None
     except UnicodeDecodeError:
         raise ModbenchError(f"{p}: not a UTF-8 text file") from None
+    except OSError as e:  # a file the user may not read, a folder, a disk error: the environment, one line
+        raise ModbenchError(f"cannot read {p}: {e.strerror or e}") from None
 
 
 def parse_literal(text: str) -> Any:

@@ -6,14 +6,18 @@ Both the study runner (writing trials) and the report (reading them) use this mo
 from __future__ import annotations
 
 import fcntl
+import functools
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import optuna
 
 from modbench.config.study import Study
 from modbench.errors import ModbenchError, redact
 from modbench.results import METRICS
+from modbench.track.store import sqlite_db_path
 
 
 PARENT_ATTR = "mlflow_parent_run_id"  # the study's MLflow parent run; set once the study is fully created
@@ -28,6 +32,34 @@ def parent_run_id(name: str, storage: str) -> str | None:
         rdb.engine.dispose()
 
 
+FAIL_REASON_ATTR = "fail_reason"  # why a trial failed: printed by the runner, tabled by the report
+
+
+def fail_reason(exc: BaseException) -> str:
+    """One line saying why a trial failed: the exception's first line (its type when it has no
+    text), with any URL password masked."""
+    text = str(exc).strip()
+    return redact(text.splitlines()[0] if text else type(exc).__name__)[:300]
+
+
+def with_fail_reason(objective: Callable[[optuna.Trial], Any]) -> Callable[[optuna.Trial], Any]:
+    """``objective`` recording why a trial failed wherever in the objective it failed: Optuna keeps
+    no reason, and a trial that fails before or after training must not read "unknown reason"."""
+
+    @functools.wraps(objective)
+    def recorded(trial: optuna.Trial) -> Any:
+        try:
+            return objective(trial)
+        except (optuna.TrialPruned, KeyboardInterrupt):
+            raise
+        except Exception as e:
+            if FAIL_REASON_ATTR not in trial.user_attrs:  # the objective's own, more precise, reason wins
+                trial.set_user_attr(FAIL_REASON_ATTR, fail_reason(e))
+            raise
+
+    return recorded
+
+
 def study_dir(study: Study, out_dir: str | Path) -> Path:
     return Path(out_dir) / study.name
 
@@ -36,6 +68,22 @@ def default_storage(study: Study, out_dir: str | Path) -> str:
     path = study_dir(study, out_dir) / "optuna.db"
     path.parent.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{path.resolve()}"
+
+
+def existing_storage(study: Study, out_dir: str | Path, storage: str | None) -> str:
+    """The storage a reading command (report, status) opens: ``storage`` if given (a SQLite file
+    must exist), else the study's SQLite file in ``out_dir`` when it exists. ModbenchError naming
+    the ways out otherwise: a reader must not leave an empty ``optuna.db`` (and its folder) behind."""
+    if storage is not None:
+        path = sqlite_db_path(storage)
+        if path is None or path.is_file():
+            return storage
+    else:
+        path = study_dir(study, out_dir) / "optuna.db"
+        if path.is_file():
+            return f"sqlite:///{path.resolve()}"
+    raise ModbenchError(f"no study named {study.name!r} in {path}: run 'modbench study run' first, or pass the "
+                        "--storage (or set $MODBENCH_STORAGE, or --out-dir) it ran with")
 
 
 def connect_storage(url: str, **kwargs) -> optuna.storages.RDBStorage:

@@ -34,13 +34,22 @@ def _git(*args: str) -> str | None:
 
 def git_sha() -> str:
     """Commit of the repository containing this package, ``-dirty`` when tracked files
-    have uncommitted changes; ``unknown`` outside a git checkout (for example a wheel
-    installed into a virtualenv that happens to sit inside some other repository)."""
+    have uncommitted changes. Outside a git checkout (a wheel installed into a virtualenv, which
+    may even sit inside some other repository) the commit the wheel was built from, which the
+    build wrote into ``BUILD_COMMIT`` (setup.py); ``unknown`` when neither says."""
     sha = _git("rev-parse", "HEAD")
     if not sha or _git("ls-files", "--error-unmatch", "__init__.py") is None:
-        return "unknown"
+        return build_commit()
     status = _git("status", "--porcelain", "--untracked-files=no")
     return sha + "-dirty" if status else sha
+
+
+def build_commit() -> str:
+    """The commit an installed wheel was built from (``modbench/BUILD_COMMIT``), else ``unknown``."""
+    try:
+        return (_PKG_DIR.parent / "BUILD_COMMIT").read_text().strip() or "unknown"
+    except OSError:
+        return "unknown"
 
 
 def environment_tags() -> dict[str, str]:

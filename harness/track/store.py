@@ -30,19 +30,76 @@ _NETWORK_DEFAULT_PORTS = {
 _CONNECT_TIMEOUT_S = 5.0
 
 
-
-
-
 def resolve_tracking_uri(flag: str | None = None) -> str:
     """The tracking URI of one command, resolved once and passed down: ``--tracking-uri`` if
     given, else ``$MLFLOW_TRACKING_URI`` (a tracking server works unchanged), else an absolute
     ``sqlite:///<cwd>/mlflow.db``. Never the ./mlruns file store."""
     if flag and flag.strip():
-        return flag.strip()
+        return _sqlite_if_bare_path(flag.strip())
     env = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
     if env:
-        return env
+        return _sqlite_if_bare_path(env)
+    return default_tracking_uri()
+
+
+def default_tracking_uri() -> str:
+    """``sqlite:///<cwd>/mlflow.db``: the store when neither flag nor environment names one."""
     return "sqlite:///" + (Path.cwd().resolve() / "mlflow.db").as_posix()
+
+
+def _sqlite_if_bare_path(uri: str) -> str:
+    """``other.db`` (natural after reading "default ./mlflow.db") as ``sqlite:///<abs>/other.db``:
+    MLflow would take a bare path for its deprecated file store and print a paragraph about it."""
+    if ":" in uri or uri == "databricks":  # a URI (sqlite:, http:, postgresql:, file:), Databricks' name
+        return uri
+    if not uri.endswith(".db"):  # MLflow's retired file store, which answers with a paragraph
+        raise ModbenchError(f"tracking URI {uri!r} is a folder path, MLflow's retired file store: pass a SQLite file "
+                            "(a path ending in .db, or sqlite:///PATH) or a tracking server (http://host:5000)")
+    return "sqlite:///" + (Path.cwd() / uri).resolve().as_posix()
+
+
+STORAGE_ENV = "MODBENCH_STORAGE"  # the Optuna storage URL, kept off the command line (and out of ps)
+
+
+def resolve_storage(flag: str | None = None) -> str | None:
+    """The Optuna storage URL of one command: ``--storage`` if given, else ``$MODBENCH_STORAGE``,
+    else None (SQLite in the study's output folder)."""
+    for value in (flag, os.environ.get(STORAGE_ENV)):
+        if value and value.strip():
+            return value.strip()
+    return None
+
+
+# Where each driver reads a password that a URL leaves out: libpq (psycopg) reads PGPASSWORD (and
+# ~/.pgpass), MLflow's REST client MLFLOW_TRACKING_PASSWORD. A shown URL names the variable instead.
+_PASSWORD_VARIABLES = {"postgresql": "PGPASSWORD", "postgres": "PGPASSWORD", "http": "MLFLOW_TRACKING_PASSWORD",
+                       "https": "MLFLOW_TRACKING_PASSWORD", "mysql": "MYSQL_PWD"}
+
+
+def shell_url(uri: str) -> str:
+    """``uri`` as a shell word for a printed command: a password becomes a reference to the
+    environment variable its driver reads (``"postgresql://u:${PGPASSWORD}@h/db"``), so the
+    command works as printed and no secret is shown or stored."""
+    import shlex
+
+    try:
+        parts = urlsplit(uri)
+        password = parts.password
+    except ValueError:
+        return shlex.quote(redact(uri))
+    if password is None:
+        return shlex.quote(uri)
+    scheme = parts.scheme.split("+", 1)[0].lower()
+    variable = _PASSWORD_VARIABLES.get(scheme, "MODBENCH_DB_PASSWORD")
+    at = uri.index(parts.netloc)
+    before, after = uri[:at], uri[at + len(parts.netloc):]
+    user, _, host = parts.netloc.rpartition("@")
+    user = user.split(":", 1)[0]
+
+    def literal(text: str) -> str:  # inside double quotes only \ " $ ` are special to the shell
+        return re.sub(r'([\\"$`])', r"\\\1", text)
+
+    return '"' + literal(f"{before}{user}:") + "${" + variable + "}" + literal(f"@{host}{after}") + '"'
 
 
 def sqlite_db_path(uri: str) -> Path | None:
@@ -56,6 +113,32 @@ def sqlite_db_path(uri: str) -> Path | None:
     return (Path.cwd() / raw).resolve()
 
 
+
+
+SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
+
+
+def check_sqlite_store(uri: str, flag: str = "--tracking-uri", *, must_exist: bool = False) -> None:
+    """ModbenchError when ``uri`` is a SQLite URL whose file exists but is not a SQLite database
+    (MLflow would fail deep in SQLAlchemy, or ``mlflow server`` with a traceback), or, for a
+    command that only reads runs (``must_exist``), whose file is not there: opening it would
+    create an empty store, in which the runs it looks for are missing."""
+    db = sqlite_db_path(uri)
+    if db is None:
+        return
+    if not db.is_file():
+        if must_exist:
+            raise ModbenchError(f"no MLflow store at {db}: pass the {flag} the study ran with "
+                                "(or run from the directory that has its mlflow.db)")
+        return
+    try:
+        with open(db, "rb") as f:
+            head = f.read(len(SQLITE_HEADER))
+    except OSError as e:
+        raise ModbenchError(f"cannot read the MLflow store {db}: {e.strerror or e}; pass another {flag}") from None
+    if head and head != SQLITE_HEADER:  # an empty file is a database SQLite has not written yet
+        raise ModbenchError(f"the MLflow store {db} is not a SQLite database (file is not a database); "
+                            f"pass another {flag} or move the file away")
 
 
 def quiet_mlflow_logging() -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import tempfile
 import time
 from contextlib import contextmanager
@@ -32,6 +33,12 @@ MAX_PARAMS_PER_BATCH = 100
 MAX_TAGS_PER_BATCH = 100
 MAX_METRICS_PER_BATCH = 1000
 MAX_PARAM_VALUE_LENGTH = 6000
+
+# Against a tracking server MLflow prints "🏃 View run … / 🧪 View experiment …" to stdout whenever a
+# run ends: it would break `--json` (stdout is one JSON document) and litter every trial's output,
+# and its links open the GenAI layout. modbench prints its own. Set at import, before any run or the
+# tracker process (modbench.track.background, which inherits the environment) starts.
+os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 PARENT_RUN_TAG = "mlflow.parentRunId"
 HEARTBEAT_TAG = "modbench.heartbeat"
