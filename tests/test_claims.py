@@ -1,6 +1,7 @@
 """Study controls, sub-grids and the claims report: sized by FLOPs, chosen on val, reported on test."""
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from modbench.cli.main import main
 from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.config.run import RunConfig, TrainConfig
-from modbench.config.study import load_study
+from modbench.config.study import ClaimSettings, load_study
 from modbench.errors import ModbenchError
 from modbench.model.sizing import (
     MATCH_TOLERANCE,
@@ -23,7 +24,10 @@ from modbench.model.sizing import (
     study_arms,
 )
 from modbench.report import claims
+from modbench.report.stats import holm
 from modbench.run.train import train
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 TINY = RunConfig(ModelConfig(depth=3, n_embd=64, head_dim=8, max_seq_len=32), RoutingConfig("sigmoid", 0.25),
                  TrainConfig(dataset="arithmetic", seq_len=32, batch_size=4, budget="flops=2e9", track=False))
@@ -184,15 +188,17 @@ def test_learned_is_compared_with_its_own_random_control():
     assert found[0].verdict.startswith("supported") and "random better" in found[0].detail
 
 
-def test_each_method_is_compared_with_sigmoid_in_one_holm_family():
+def test_each_method_is_compared_with_sigmoid_the_first_as_the_primary_contrast():
     """C4: every other learned variant against sigmoid at the same capacity, pattern and LR; the
-    controls and dense are not methods; the estimate is the paired test difference."""
+    controls and dense are not methods; the estimate is the paired test difference. The first
+    method is the primary contrast (its own family), the others one Holm family."""
     df = frame([("sigmoid", "sigmoid", "", 1.0, 2.40, 2.40), ("token_choice", "token_choice", "", 1.0, 2.50, 2.50),
                 ("mode_staged", "mode_staged", "", 1.0, 2.40, 2.40), ("random_gated", "random_gated", "", 1.0, 2.6, 2.6),
                 ("dense", "dense", "", 1.0, 2.7, 2.7), ("sigmoid x2", "sigmoid", "", 2.0, 2.3, 2.3)])
     found, eff = claims.methods_vs_sigmoid(df)
     assert list(zip(eff["arm"], eff["reference"])) == [("token_choice", "sigmoid"), ("mode_staged", "sigmoid")]
     assert [c.id for c in found] == ["C4a", "C4b"] and (eff["correction"] == "holm").all()
+    assert [c.primary for c in found] == [True, False] and list(eff["family"]) == ["primary", "secondary"]
     test = df.groupby("arm")["test/causal_bpb"].mean()
     assert found[0].estimate == pytest.approx(test["token_choice"] - test["sigmoid"])
     assert found[0].verdict.startswith("reversed: sigmoid is better")
@@ -200,9 +206,72 @@ def test_each_method_is_compared_with_sigmoid_in_one_holm_family():
     assert [claims._letters(i) for i in (0, 25, 26, 27)] == ["a", "z", "aa", "ab"]
 
 
+def test_primary_contrast_is_its_own_family_and_secondary_rows_are_holm_corrected_apart():
+    df = frame([("dense", "dense", "", 1.0, 2.5, 2.50), ("sigmoid", "sigmoid", "", 1.0, 2.4, 2.49),
+                ("norm", "norm", "", 1.0, 2.45, 2.49), ("dense d56", "dense", "FLOP-matched", 1.0, 2.6, 2.49)])
+    rng = np.random.default_rng(2)
+    df["test/causal_bpb"] += rng.normal(0, 0.01, len(df))
+    found, eff = claims.mod_vs_best_dense(df, ClaimSettings(primary="norm"))
+    primary = eff[eff["family"] == "primary"]
+    assert list(primary["arm"]) == ["norm"] and primary["p_adj"].iloc[0] == pytest.approx(primary["p"].iloc[0])
+    secondary = eff[eff["family"] == "secondary"]
+    assert list(zip(secondary["arm"], secondary["reference"])) == [("sigmoid", "dense"), ("norm", "dense d56")]
+    assert secondary["p_adj"].tolist() == pytest.approx(holm(secondary["p"].tolist()))
+    assert found[0].primary and found[0].statement.startswith("MoD (norm,")
+
+
+def test_a_margin_turns_a_tie_into_equivalent_and_summary_carries_the_fields():
+    df = frame([("dense", "dense", "", 1.0, 2.5, 2.5), ("sigmoid", "sigmoid", "", 1.0, 2.45, 2.5)], seeds=range(8))
+    tie, _ = claims.mod_vs_best_dense(df, ClaimSettings(margin=0.05))
+    assert tie[0].verdict_class == "equivalent" and tie[0].verdict.startswith("equivalent within ±0.05 bpb")
+    assert tie[0].tost_p < 0.05 and tie[0].margin == 0.05
+    plain, _ = claims.mod_vs_best_dense(df)  # no margin: a tie stays inconclusive
+    assert plain[0].verdict_class == "inconclusive" and plain[0].tost_p is None
+    assert set(tie[0].to_dict()) >= {"margin", "verdict_class", "primary", "tost_p"}
+    better = frame([("dense", "dense", "", 1.0, 2.5, 2.5), ("sigmoid", "sigmoid", "", 1.0, 2.45, 2.48)], seeds=range(8))
+    small, _ = claims.mod_vs_best_dense(better, ClaimSettings(margin=0.05))
+    assert small[0].verdict_class == "better" and "within the ±0.05 margin" in small[0].verdict
+
+
+def test_degenerate_arms_flags_the_collapsed_threshold_router_and_nothing_else():
+    study = load_study(FIXTURES / "methods_shootout.toml")
+    done = pd.read_csv(FIXTURES / "methods_shootout_trials.csv")
+    done = done[done["state"] == "COMPLETE"]
+    flagged = claims.degenerate_arms(done, study)
+    assert list(flagged) == ["threshold C=0.125 alternate"] and "collapsed" in flagged["threshold C=0.125 alternate"]
+    found, effects, _ = claims.test_claims(done, study)
+    assert not effects["arm"].str.startswith("threshold").any()
+    c4 = {c.statement.split(" has ")[0]: c for c in found if c.id.startswith("C4")}
+    assert c4["threshold C=0.125 alternate"].verdict_class == "flagged"
+    assert [c.verdict_class for c in c4.values()].count("flagged") == 1
+    saturated = done.copy()  # a router that processes nearly everything is degenerate too
+    saturated.loc[saturated["variant"] == "amod", "test/causal_fraction"] = 0.9
+    assert set(claims.degenerate_arms(saturated, study)) == {"threshold C=0.125 alternate", "amod C=0.125 alternate"}
+
+
+def test_a_claim_whose_primary_arm_is_degenerate_is_flagged_not_dropped():
+    df = frame([("dense", "dense", "", 1.0, 2.5, 2.5), ("sigmoid", "sigmoid", "", 1.0, 2.4, 2.4),
+                ("random_gated", "random_gated", "", 1.0, 2.6, 2.6), ("norm", "norm", "", 1.0, 2.45, 2.45)])
+    flagged = {"sigmoid": "realised share 0 vs C = 0.25 (collapsed)"}
+    c1, eff1 = claims.mod_vs_best_dense(df, ClaimSettings(), flagged)
+    assert c1[0].verdict_class == "flagged" and "sigmoid" in c1[0].verdict and c1[0].estimate is None
+    assert "sigmoid" not in set(eff1["arm"])  # norm − dense is still computed, as a secondary row
+    c2, _ = claims.learned_vs_random(df, ClaimSettings(), flagged)
+    assert c2[0].verdict_class == "flagged"
+    c1_norm, _ = claims.mod_vs_best_dense(df, ClaimSettings(primary="norm"), flagged)
+    assert c1_norm[0].verdict_class == "better" and c1_norm[0].statement.startswith("MoD (norm,")
+
+
 # --- end to end: a tiny study, its report and summary.json ----------------------------------------
+E2E_STUDY = STUDY.replace('variant = ["dense", "sigmoid", "random_gated"]', 'variant = ["dense", "sigmoid", "random_gated", "norm"]') \
+    + '\n[claims.mod_vs_best_dense]\nprimary = "norm"\nmargin = 0.05\n'
+
+
 def test_claims_report_end_to_end(tmp_cwd):
-    path = write(tmp_cwd)
+    """At 2e9 FLOPs sigmoid's causal rule (r > 0, trained by an aux BCE whose optimum at 25 %
+    capacity starts at r < 0 everywhere) processes no token: both sigmoid arms are degenerate,
+    excluded and named; norm (a calibrated threshold) is C1's declared primary contrast."""
+    path = write(tmp_cwd, text=E2E_STUDY)
     assert main(["study", "run", str(path), "--quiet"]) == 0
     assert main(["report", str(path)]) == 0
     out = tmp_cwd / "reports" / "claims"
@@ -218,24 +287,31 @@ def test_claims_report_end_to_end(tmp_cwd):
     summary = json.loads((out / "summary.json").read_text())
     assert [c["id"] for c in summary["claims"]] == ["C1", "C2", "C3a", "C3b"]
     for c in summary["claims"]:
-        assert set(c) >= {"id", "statement", "verdict", "estimate", "ci_low", "ci_high", "n_seeds"}
+        assert set(c) >= {"id", "statement", "verdict", "estimate", "ci_low", "ci_high", "n_seeds", "margin",
+                          "verdict_class", "primary", "tost_p"}
+    c1, c2 = summary["claims"][:2]
+    assert c1["statement"].startswith("MoD (norm C=0.25 alternate,") and c1["margin"] == 0.05 and c1["primary"]
+    assert c1["verdict_class"] in ("better", "worse", "equivalent", "inconclusive")
+    flagged = summary["degenerate_arms"]
+    assert set(flagged) == {"sigmoid C=0.25 alternate", "sigmoid C=0.25 alternate lr×2"}
+    assert all("collapsed" in why for why in flagged.values()) and all(arm in text for arm in flagged)
+    assert c2["verdict_class"] == "flagged" and summary["claims"][2]["verdict_class"] == "flagged"
     assert set(summary["baselines"]) >= {"unigram", "bigram", "trigram", "zstd"}
     # every arm's number is recomputed from the trials
     trials = pd.read_csv(out / "trials.csv")
     trials = trials[trials.state == "COMPLETE"]
     arms = {a["arm"]: a for a in summary["arms"]}
     assert any("FLOP-matched" in a for a in arms) and any("iso-tokens" in a for a in arms)
-    assert len(arms) == 8 and all(a["n_seeds"] == 2 for a in arms.values())
+    assert len(arms) == 9 and all(a["n_seeds"] == 2 for a in arms.values())
     by_label = pd.read_csv(out / "arms_causal.csv").set_index("arm")
     for arm, a in arms.items():
         assert a["causal_bpb"] == pytest.approx(by_label.loc[arm, "causal_bpb"])
     # C1's estimate is the paired mean difference of the arms it names, on test
     eff = pd.read_csv(out / "effects.csv")
-    c1 = eff[eff.claim == "C1"].iloc[0]
-    done = pd.read_csv(out / "trials.csv")
-    done = done[done.state == "COMPLETE"]
-    assert summary["claims"][0]["estimate"] == pytest.approx(c1["estimate"])
-    assert "nan" not in text.lower()
+    primary = eff[(eff.claim == "C1") & (eff.family == "primary")].iloc[0]
+    assert summary["claims"][0]["estimate"] == pytest.approx(primary["estimate"])
+    assert not (set(eff["arm"]) | set(eff["reference"])) & set(flagged)  # excluded from every family
+    assert not re.search(r"\bnan\b", text.lower())  # a word, not "nanochat"
 
 
 def test_the_regime_line_names_every_arm_below_the_trigram_and_says_whose_conclusions_fail():

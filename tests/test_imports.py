@@ -33,7 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     "run": {"errors", "results", "config", "data", "variants", "model", "track", "progress", "interrupts"},
     "bench": {"errors", "config", "variants", "model"},
     "report": {"errors", "results", "config", "data", "variants", "model", "track"},
-    "study": {"errors", "results", "config", "data", "model", "run", "track", "progress", "interrupts"},
+    "study": {"errors", "results", "config", "data", "model", "run", "track", "progress", "interrupts", "report"},
     "cli": {"errors", "results", "config", "data", "variants", "model", "track", "run", "bench", "report", "study", "progress",
             "interrupts"},
 }

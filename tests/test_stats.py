@@ -116,6 +116,16 @@ def test_holm_hand_computed():
     assert holm([]) == []
 
 
+def test_holm_matches_statsmodels():
+    from statsmodels.stats.multitest import multipletests
+
+    rng = np.random.default_rng(21)
+    for m in (1, 2, 5, 12):
+        p = rng.uniform(0, 0.2, m)
+        p[: m // 3] = p[0]  # ties
+        assert holm(p) == pytest.approx(multipletests(p, method="holm")[1].tolist(), abs=1e-15)
+
+
 def test_benjamini_hochberg_hand_computed_and_matches_scipy():
     p = [0.01, 0.04, 0.03, 0.005]
     # sorted 0.005, 0.01, 0.03, 0.04 -> 4p/rank = 0.02, 0.02, 0.04, 0.04 (running min from top)

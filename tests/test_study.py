@@ -195,6 +195,9 @@ def test_two_workers_on_postgresql_run_every_trial_exactly_once(tmp_path):
     assert df.worker.nunique() == 2, f"one worker did everything: {df.worker.value_counts().to_dict()}; outputs: {outputs}"
 
 
+_TUNED = '[study]\nname = "b"\nseeds = [0, 1]\nclaims = ["mod_vs_best_dense"]\n[train]\nbudget = "flops=1e12"\n[tune]\nlr_mult = [1, 2]\n'
+_DENSE = '[space]\nvariant = ["dense", "sigmoid"]\n'
+
 BAD = {
     "unknown key": ('[study]\nname = "b"\nsampler = "grid"\nbogus = 1\n[space]\nvariant = ["dense"]\n', "unknown key 'bogus'"),
     "wrong type": ('[study]\nname = "b"\nseeds = "0"\n[space]\nvariant = ["dense"]\n', "seeds"),
@@ -211,6 +214,22 @@ BAD = {
     "range on grid": ('[study]\nname = "b"\n[space]\nvariant = ["norm"]\ncapacity = {low = 0.1, high = 0.5}\n', "model-based sampler"),
     "bad option": ('[study]\nname = "b"\n[options.sigmoid]\naux_wieght = 1\n[space]\nvariant = ["sigmoid"]\n', "options.sigmoid"),
     "bad budget": ('[study]\nname = "b"\n[train]\nbudget = "flops=-1"\n[space]\nvariant = ["dense"]\n', "budget"),
+    # [tune] and [claims.<kind>]: the learning rate is tuned or declared, never both; no boolean is a number.
+    "tune and lr_mult in space": (_TUNED + '[space]\nvariant = ["dense"]\nlr_mult = [1.0]\n', "space.lr_mult: with [tune]"),
+    "tune boolean in the grid": (_TUNED.replace("[1, 2]", "[true, 2]") + _DENSE, "tune.lr_mult"),
+    "tune unknown key": (_TUNED + "bogus = 1\n" + _DENSE, "tune.bogus: unknown key"),
+    "tune grid past its limit": (_TUNED + "max_lr_mult = 1.5\n" + _DENSE, "must lie within"),
+    "tune boolean seed": (_TUNED + "seed = true\n" + _DENSE, "tune.seed"),
+    "tune without a confirmation seed": (_TUNED.replace("[0, 1]", "[0]") + _DENSE, "no confirmation seed"),
+    "tune with a sampler": (_TUNED.replace('seeds', 'sampler = "tpe"\nn_trials = 2\nseeds') + _DENSE, "need sampler = \"grid\""),
+    "claims of an unlisted kind": (_TUNED + _DENSE + "[claims.learned_vs_random]\nmargin = 0.05\n", "claims.learned_vs_random"),
+    "claims boolean margin": (_TUNED + _DENSE + "[claims.mod_vs_best_dense]\nmargin = true\n", "claims.mod_vs_best_dense.margin"),
+    "claims unknown key": (_TUNED + _DENSE + "[claims.mod_vs_best_dense]\nmragin = 0.05\n", "claims.mod_vs_best_dense.mragin"),
+    "claims max_seeds without target": (_TUNED + _DENSE + "[claims.mod_vs_best_dense]\nmax_seeds = 4\n", "ci_half_width or margin"),
+    "claims seeds without tune": ('[study]\nname = "b"\nclaims = ["mod_vs_best_dense"]\n' + _DENSE
+                                  + "[claims.mod_vs_best_dense]\nmargin = 0.05\nmax_seeds = 4\n", "needs a [tune] table"),
+    "claims unknown primary": (_TUNED + _DENSE + '[claims.mod_vs_best_dense]\nprimary = "sigmiod"\n', "claims.mod_vs_best_dense.primary"),
+    "positive control not smaller": (_TUNED + _DENSE + '[claims.mod_vs_best_dense]\npositive_control = "flops=1e20"\n', "smaller budget"),
 }
 
 
@@ -251,7 +270,8 @@ def test_variant_shootout_covers_all_variants_and_their_controls_at_three_capaci
 
 
 _key = st.sampled_from(["study", "model", "train", "space", "options", "name", "seeds", "sampler", "pruner", "objectives",
-                        "variant", "capacity", "pattern", "depth", "budget", "n_trials", "bogus", "lr_mult", "schedule"])
+                        "variant", "capacity", "pattern", "depth", "budget", "n_trials", "bogus", "lr_mult", "schedule",
+                        "tune", "claims", "seed", "max_lr_mult", "margin", "max_seeds", "mod_vs_best_dense"])
 _scalar = st.one_of(st.integers(-3, 3), st.floats(allow_nan=False, allow_infinity=False, width=32), st.booleans(),
                     st.sampled_from(["dense", "norm", "grid", "tpe", "alternate", "flops=1e9", "val_bpb", "", "x"]))
 _value = st.one_of(_scalar, st.lists(_scalar, max_size=3))

@@ -38,6 +38,20 @@
     variant = ["dense"]          #   e.g. a dense size sweep for the isoFLOP-optimal dense baseline
     depth   = [2, 3, 4, 6]
 
+    [tune]                       # the learning rate is tuned, not declared (grid studies; no lr_mult in [space])
+    lr_mult = [1, 2, 4]          # the grid every compared family gets, on one seed (modbench.study.tuning)
+    seed = 0                     # the tuning seed; the study's other seeds confirm at each family's best value
+    min_lr_mult = 0.125          # a best value at an edge extends the grid ÷2 / ×2, never past these
+    max_lr_mult = 32
+
+    [claims.mod_vs_best_dense]   # how one claim (listed in study.claims) is decided
+    margin = 0.05                # equivalence margin (bpb): "equivalent" when the 90 % CI lies inside ±margin
+    primary = "sigmoid"          # the pre-registered primary contrast's variant
+    ci_half_width = 0.03         # after the confirmation seeds, queue the seeds the primary contrast needs
+    max_seeds = 8                #   for this CI half-width (and the margin's equivalence test), at most this many
+    positive_control = "flops=3.5e12"  # mod_vs_best_dense only: the best dense model also trained at this
+                                 #   smaller budget, a contrast whose sign is known (it must come out "worse")
+
 An *arm* is one point of the space; ``dense`` ignores capacity, pattern and schedule, so all
 dense points with the same depth, width, budget and lr_mult collapse into one arm. Control arms
 (``study.controls``) are sized by the model's analytic FLOPs, so they are derived one layer up,
@@ -76,7 +90,7 @@ SPACE_DEFAULTS: dict[str, list[Any]] = {
 }
 CONTROLS = ("matched_dense", "iso_token_dense")
 CLAIMS = ("mod_vs_best_dense", "learned_vs_random", "causal_rule", "methods_vs_sigmoid")  # see modbench.report.claims
-TOP_KEYS = ("study", "model", "train", "options", "space")
+TOP_KEYS = ("study", "model", "train", "options", "space", "tune", "claims")
 
 
 @dataclass(frozen=True)
@@ -99,7 +113,8 @@ class ClaimSettings:
     margin: float | None = None  # equivalence margin in the headline metric's units (bpb); None: no equivalence test
     primary: str = ""  # the pre-registered primary contrast's variant (its own family, m = 1); "": the claim's default
     ci_half_width: float | None = None  # target half-width of the primary contrast's CI (two-stage seed rule)
-    max_seeds: int = 0  # cap on the seeds the two-stage rule may add up to (0: no extra seeds)
+    max_seeds: int = 0  # cap on the primary contrast's confirmation seeds the two-stage rule may add up to (0: no extra seeds)
+    positive_control: str = ""  # mod_vs_best_dense: a smaller budget the best dense model is also trained at ("": none)
 
 
 @dataclass(frozen=True)
@@ -344,8 +359,10 @@ def load_study(path: str | Path) -> Study:
                     "[[space.also]] grids and controls need sampler = \"grid\"")
     if settings.sampler != "grid" and settings.n_trials < 1:
         raise _fail(p, "study.n_trials", f"sampler {settings.sampler!r} needs n_trials >= 1 (arms to sample)")
+    tune = _load_tune(p, raw.get("tune"), settings, [("space", space_raw)] + [(f"space.also[{i}]", t) for i, t in enumerate(also_raw)])
+    claim_settings = _load_claims(p, raw.get("claims"), settings, tune, [space, *also], base.train.budget)
     digest = hashlib.sha256(p.read_bytes()).hexdigest()
-    study = Study(p, settings, base, options, space, digest, also)
+    study = Study(p, settings, base, options, space, digest, also, tune, claim_settings)
     if settings.sampler == "grid":
         for arm in study.arms():  # build every arm's config once, through the one loader: bad ones fail now
             try:
@@ -353,6 +370,102 @@ def load_study(path: str | Path) -> Study:
             except ModbenchError as e:
                 raise _fail(p, "space", f"arm {arm.label!r}: {e}") from None
     return study
+
+
+TUNE_KEYS = ("lr_mult", "seed", "min_lr_mult", "max_lr_mult")
+CLAIM_KEYS = ("margin", "primary", "ci_half_width", "max_seeds", "positive_control")
+
+
+def _number(p: Path, key: str, value: Any) -> float:
+    """A positive finite number (a TOML boolean is not a number)."""
+    try:
+        return _positive(value)
+    except ModbenchError as e:
+        raise _fail(p, key, f"{e}: expected a positive number") from None
+
+
+def _count(p: Path, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _fail(p, key, f"{value!r} is not a non-negative integer")
+    return value
+
+
+def _load_tune(p: Path, table: Any, settings: StudySettings, spaces: list[tuple[str, dict]]) -> TuneSettings:
+    """[tune]: the learning-rate grid every compared family gets (``modbench.study.tuning``)."""
+    if table is None:
+        return TuneSettings()
+    if not isinstance(table, dict):
+        raise _fail(p, "tune", f"expected a table such as lr_mult = [1, 2, 4]; accepted keys are {accepted(TUNE_KEYS)}")
+    for key in table:
+        if key not in TUNE_KEYS:
+            raise _fail(p, f"tune.{key}", f"unknown key; accepted keys are {accepted(TUNE_KEYS)}")
+    if settings.sampler != "grid":
+        raise _fail(p, "tune", f"tuning stages need sampler = \"grid\", not {settings.sampler!r}")
+    for where, space in spaces:
+        if "lr_mult" in space:
+            raise _fail(p, f"{where}.lr_mult", "with [tune] the learning rate is tuned, not declared: "
+                                               "leave lr_mult out and list the grid in tune.lr_mult")
+    grid = _choices(p, "tune.lr_mult", table.get("lr_mult"), _positive)
+    low = _number(p, "tune.min_lr_mult", table.get("min_lr_mult", TuneSettings.min_lr_mult))
+    high = _number(p, "tune.max_lr_mult", table.get("max_lr_mult", TuneSettings.max_lr_mult))
+    if not low <= min(grid) <= max(grid) <= high:
+        raise _fail(p, "tune", f"the grid {grid} must lie within min_lr_mult {low:g} and max_lr_mult {high:g}")
+    seed = _count(p, "tune.seed", table.get("seed", TuneSettings.seed))
+    if not [s for s in settings.seeds if s != seed]:
+        raise _fail(p, "study.seeds", f"{settings.seeds!r} has no confirmation seed besides the tuning seed {seed}: "
+                                      "list at least one other seed")
+    return TuneSettings(tuple(sorted(grid)), seed, low, high)
+
+
+def _load_claims(p: Path, table: Any, settings: StudySettings, tune: TuneSettings,
+                 spaces: list[dict[str, Any]], base_budget: str) -> dict[str, ClaimSettings]:
+    """[claims.<kind>] tables, one per claim kind the study lists in study.claims."""
+    if table is None:
+        return {}
+    if not isinstance(table, dict):
+        raise _fail(p, "claims", "expected tables such as [claims.mod_vs_best_dense]")
+    variants_declared = {v for space in spaces for v in space["variant"]}
+    out = {}
+    for kind, entry in table.items():
+        where = f"claims.{kind}"
+        if kind not in settings.claims:
+            raise _fail(p, where, f"{kind!r} is not a claim of this study: study.claims lists {accepted(settings.claims) or 'none'}")
+        if not isinstance(entry, dict):
+            raise _fail(p, where, f"expected a table; accepted keys are {accepted(CLAIM_KEYS)}")
+        for key in entry:
+            if key not in CLAIM_KEYS:
+                raise _fail(p, f"{where}.{key}", f"unknown key; accepted keys are {accepted(CLAIM_KEYS)}")
+        margin = _number(p, f"{where}.margin", entry["margin"]) if "margin" in entry else None
+        half = _number(p, f"{where}.ci_half_width", entry["ci_half_width"]) if "ci_half_width" in entry else None
+        primary = entry.get("primary", "")
+        if not isinstance(primary, str) or (primary and primary not in variants_declared):
+            raise _fail(p, f"{where}.primary", f"{primary!r} is not a variant of this study: expected {accepted(sorted(variants_declared))}")
+        max_seeds = _count(p, f"{where}.max_seeds", entry.get("max_seeds", 0))
+        if max_seeds and not tune.lr_mult:
+            raise _fail(p, f"{where}.max_seeds", "adding seeds after the first ones is a study stage: it needs a [tune] table")
+        if max_seeds and half is None and margin is None:
+            raise _fail(p, f"{where}.max_seeds", "says how many seeds at most, but not for what: give ci_half_width or margin")
+        confirm = len([s for s in settings.seeds if s != tune.seed])
+        if max_seeds and max_seeds < confirm:
+            raise _fail(p, f"{where}.max_seeds", f"{max_seeds} is below the {confirm} confirmation seeds the study runs anyway")
+        positive = entry.get("positive_control", "")
+        if positive:
+            if kind != "mod_vs_best_dense":
+                raise _fail(p, f"{where}.positive_control", "only [claims.mod_vs_best_dense] has a positive control "
+                                                            "(the best dense model at a smaller budget)")
+            if not tune.lr_mult:
+                raise _fail(p, f"{where}.positive_control", "the positive control follows the tuned best dense model: it needs a [tune] table")
+            try:
+                smaller, full = Budget.parse(_budget(positive)), Budget.parse(base_budget)
+            except ModbenchError as e:
+                raise _fail(p, f"{where}.positive_control", str(e)) from None
+            if smaller.kind != full.kind or not smaller.amount < full.amount:
+                raise _fail(p, f"{where}.positive_control", f"{positive!r} must be a smaller budget of the same kind "
+                                                            f"as train.budget {base_budget!r} (its sign is then known)")
+        elif not isinstance(positive, str):
+            raise _fail(p, f"{where}.positive_control", f"{positive!r} is not a budget such as 'flops=3.5e12'")
+        out[kind] = ClaimSettings(margin, primary, half, max_seeds, positive)
+    return out
 
 
 def _parse_space(p: Path, where: str, raw: dict[str, Any], defaults: dict[str, Any], base: RunConfig) -> dict[str, Any]:
@@ -378,7 +491,7 @@ def _parse_space(p: Path, where: str, raw: dict[str, Any], defaults: dict[str, A
     space["schedule"] = choices("schedule", _schedule)
     space["budget"] = choices("budget", _budget)
     space["width"] = choices("width", _width_for(base))
-    space["capacity_first"] = choices("capacity_first", lambda v: 0.0 if v == 0 else check_capacity(v))
+    space["capacity_first"] = choices("capacity_first", lambda v: 0.0 if v == 0 and v is not False else check_capacity(v))
     return space
 
 

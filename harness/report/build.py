@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import platform
 import shlex
-import shutil
 import tempfile
 import sys
 from pathlib import Path
@@ -20,10 +19,11 @@ from pathlib import Path
 import pandas as pd
 
 from modbench.errors import redact
-from modbench.report import plots
-from modbench.report.claims_report import claims_sections
+from modbench.report import figures
+from modbench.report.claims import CONTROL_VARIANTS
+from modbench.report.claims_report import TuningTable, claims_sections
 from modbench.report.collect import ReportData, collect
-from modbench.report.routing_analysis import analyse
+from modbench.report.routing_analysis import analyse_masks, selection_masks
 from modbench.report.stats import compare_to_baseline, holm, pareto_front, summarize
 from modbench.report.stats_text import describe_comparison
 from modbench.config.study import load_study
@@ -132,7 +132,9 @@ def summary_rows(arms: pd.DataFrame, comp: pd.DataFrame) -> tuple[pd.DataFrame, 
 
 def build_report(study_path: str | Path, *, uri: str, storage: str | None = None, out_dir: str | Path = "runs/studies",
                  reports_dir: str | Path = "reports", command: str | None = None,
-                 progress: bool = False) -> Path:
+                 progress: bool = False, tuning: TuningTable | None = None) -> Path:
+    """Write reports/<study>/report.md. ``tuning``: the study runner's per-family tuning table
+    (``modbench.study.tuning.family_table`` over the trials), rendered for a study with ``[tune]``."""
     study = load_study(study_path)
     data = collect(study, storage=storage, out_dir=out_dir, uri=uri, progress=progress)
     dest = Path(reports_dir) / study.name
@@ -141,8 +143,11 @@ def build_report(study_path: str | Path, *, uri: str, storage: str | None = None
     data.curves.to_csv(dest / "curves.csv", index=False)
     lines = [f"# Study report: {study.name}", "", study.settings.description, ""]
     counts = data.trials.state.value_counts().to_dict() if len(data.trials) else {}
-    expected = (len(study_arms(study)) if study.settings.sampler == "grid" else study.settings.n_trials) * len(study.settings.seeds)
-    lines += [f"Trials: {counts.get('COMPLETE', 0)} complete of {expected} planned"
+    if study.tune.lr_mult:  # a staged study plans as it goes (modbench.study.tuning): what its stages queued
+        planned = f"{len(data.trials)} queued by its stages so far"
+    else:
+        planned = f"{(len(study_arms(study)) if study.settings.sampler == 'grid' else study.settings.n_trials) * len(study.settings.seeds)} planned"
+    lines += [f"Trials: {counts.get('COMPLETE', 0)} complete of {planned}"
               + "".join(f", {n} {s.lower()}" for s, n in sorted(counts.items()) if s != "COMPLETE")
               + f"; seeds per arm: {len(study.settings.seeds)}; dataset `{study.base.train.dataset}`; "
               f"every arm trains for the same budget `{study.base.train.budget}`" + (" (per group)" if "budget" in study.space and len(study.space["budget"]) > 1 else "") + ".", ""]
@@ -151,7 +156,7 @@ def build_report(study_path: str | Path, *, uri: str, storage: str | None = None
         return _finish(lines, data, dest, study_path, command)
 
     lines += failed_arm_lines(data.trials)
-    lines += claims_sections(data, dest)
+    lines += claims_sections(data, dest, tuning)
     arms = arm_table(data)
     arms.to_csv(dest / "arms.csv", index=False)
     comp, notes = comparisons(data, arms)
@@ -181,27 +186,28 @@ def build_report(study_path: str | Path, *, uri: str, storage: str | None = None
     if not comp.empty:
         show = comp[["arm", "baseline", "n_arm", "n_base", "mean_diff", "hedges_g", "welch_p", "welch_p_adj", "mwu_p", "mwu_p_adj",
                      "mwu_min_p_adj", "can_reach_significance", "note"]]
-        lines += ["## Comparisons against dense", "", md_table(show.assign(can_reach_significance=show.can_reach_significance.map({True: "yes", False: "no"}))), ""]
+        lines += _comparison_heading(bool(study.settings.claims), comp)
+        lines += [md_table(show.assign(can_reach_significance=show.can_reach_significance.map({True: "yes", False: "no"}))), ""]
 
-    curves_png = plots.validation_curves(data.curves, dest / "curves.png") if len(data.curves) else None
+    curves_png = figures.validation_curves(data.curves, dest / "curves.png") if len(data.curves) else None
     if curves_png:
         lines += ["## Validation curves", "", "![validation curves](curves.png)", ""]
 
     front_flops = pareto_front(arms.assign(m=arms["mean"].astype(float)), minimize=["m", "flops_per_token"])
     front_speed = pareto_front(arms.assign(m=arms["mean"].astype(float)), minimize=["m"], maximize=["tokens_per_s"])
-    plots.pareto_scatter(arms, "flops_per_token", "training FLOPs per token", front_flops, dest / "pareto_flops.png")
-    plots.pareto_scatter(arms, "tokens_per_s", "training tokens / s", front_speed, dest / "pareto_speed.png")
+    figures.pareto_scatter(arms, "flops_per_token", "training FLOPs per token", front_flops, dest / "pareto_flops.png")
+    figures.pareto_scatter(arms, "tokens_per_s", "training tokens / s", front_speed, dest / "pareto_speed.png")
     lines += ["## Pareto fronts", "",
               "Arms not dominated in (validation bpb ↓, FLOPs per token ↓): " + ", ".join(arms[front_flops.values]["arm"]) + ".", "",
               "![bpb vs FLOPs](pareto_flops.png)", "",
               "Arms not dominated in (validation bpb ↓, tokens/s ↑) — wall-clock on this machine: " + ", ".join(arms[front_speed.values]["arm"]) + ".", "",
               "![bpb vs tokens/s](pareto_speed.png)", ""]
     if arms[arms.variant != "dense"]["capacity"].nunique() > 1:
-        plots.capacity_vs_bpb(arms, dest / "capacity.png")
+        figures.capacity_vs_bpb(arms, dest / "capacity.png")
         lines += ["## Capacity", "", "![capacity vs bpb](capacity.png)", ""]
-    plots.throughput_bars(arms, dest / "throughput.png")
+    figures.throughput_bars(arms, dest / "throughput.png")
     lines += ["## Throughput", "", "Measured training throughput: tokens/s of each arm's fastest seed (other processes "
-              "can only slow a run down); FLOPs are analytic (see harness/flops.py).", "",
+              "can only slow a run down); FLOPs are analytic (see modbench.model.flops).", "",
               "![throughput](throughput.png)", ""] + _throughput_caveat(arms)
     lines += _causal_section(data)
     lines += _routing_section(data, dest, uri, progress)
@@ -221,6 +227,18 @@ def _throughput_caveat(arms: pd.DataFrame, tolerance: float = SPEED_SPREAD_TOLER
             "(`make bench`, reports/bench/). Losses and FLOPs are unaffected.", ""]
 
 
+def _comparison_heading(claims_study: bool, comp: pd.DataFrame) -> list[str]:
+    """In a claims study these rows are not the claims' comparisons: say which dense each row uses,
+    so no reader takes a same-shape dense for the claim's (stronger) reference."""
+    if not claims_study:
+        return ["## Comparisons against dense", ""]
+    used = ", ".join(sorted(comp["baseline"].astype(str).unique()))
+    return ["## Comparisons against the same-shape dense of each group (diagnostic)", "",
+            f"Each routed arm against the dense arm of its group (same depth, budget and LR multiplier: {used}). "
+            "This is **not** the claims' reference: C1 compares against the best trained dense model (see Claims and "
+            "the isoFLOP section), which may be stronger than the dense used here.", ""]
+
+
 def _causal_section(data: ReportData) -> list[str]:
     cols = ["val/causal_gap", "val/dense_gap", "val/causal_agreement", "val/causal_fraction", "val/topk_leak_rate"]
     present = [c for c in cols if c in data.done]
@@ -234,19 +252,6 @@ def _causal_section(data: ReportData) -> list[str]:
             "top-k leak rate (how often future tokens change a past routing decision).", "", md_table(t), ""]
 
 
-def _copy_heatmap(uri: str, run_id: str, dest: Path) -> None:
-    """The first routed arm's routing heatmap artifact, as the report's figure."""
-    import mlflow.artifacts
-
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="routing_heatmap.png",
-                                                        dst_path=tmp, tracking_uri=uri)
-            shutil.copy(local, dest / "routing_heatmap.png")
-    except Exception:  # an older run without the artifact: the report goes on without the figure
-        return
-
-
 def _routing_section(data: ReportData, dest: Path, uri: str, progress: bool = False) -> list[str]:
     """Routing measured on each arm's first-seed checkpoint, fetched from the trial's MLflow run."""
     from tqdm.auto import tqdm
@@ -257,6 +262,7 @@ def _routing_section(data: ReportData, dest: Path, uri: str, progress: bool = Fa
     if routed.empty:
         return []
     positions, classes, overlaps = [], [], []
+    heatmap, heatmap_arm, heatmap_learned = None, None, False
     arms = routed.groupby("arm")
     for arm, g in tqdm(arms, total=arms.ngroups, desc="routing analysis", unit="arm", disable=not progress):
         run_id = g.iloc[0].get("mlflow_run_id")
@@ -264,17 +270,22 @@ def _routing_section(data: ReportData, dest: Path, uri: str, progress: bool = Fa
         if record is None or not record.checkpoint:
             continue
         with tempfile.TemporaryDirectory() as tmp:
-            res = analyse(fetch_checkpoint(uri, record, Path(tmp)))
+            x, masks, _ = selection_masks(fetch_checkpoint(uri, record, Path(tmp)))
+        res = analyse_masks(x, masks)
+        learned = g.iloc[0]["variant"] not in CONTROL_VARIANTS  # a learned router's picture, a random one's only if none
+        if masks and (heatmap is None or (learned and not heatmap_learned)):  # redrawn from the checkpoint
+            heatmap_learned = learned
+            heatmap = figures.routing_heatmap([m[0] for m in masks], dest / "routing_heatmap.png",
+                                              title=f"{arm}, seed {int(g.iloc[0]['seed'])}: positions processed under the top-k rule, one validation window")
+            heatmap_arm = arm
         positions.append(res["positions"].assign(arm=arm))
         classes.append(res["classes"].assign(arm=arm))
         if len(res["overlap"]):
             overlaps.append({"arm": arm, "mean Jaccard between routed layers": res["overlap"]["jaccard"].mean()})
-        if not (dest / "routing_heatmap.png").exists():
-            _copy_heatmap(uri, record.run_id, dest)
     if not positions:
         return ["## Routing", "", "No trial checkpoints were found, so routing could not be analysed.", ""]
     pos = pd.concat(positions)
-    plots.routing_by_position(pos, dest / "routing_positions.png")
+    figures.routing_by_position(pos, dest / "routing_positions.png")
     cls = pd.concat(classes).groupby(["arm", "byte_class"])["rate"].mean().unstack()
     out = ["## Routing", "", "Measured on 16 fixed validation windows with each arm's first seed.", "",
            "![routing by position](routing_positions.png)", "",
@@ -286,35 +297,77 @@ def _routing_section(data: ReportData, dest: Path, uri: str, progress: bool = Fa
     if "val/hard_precision" in data.done:
         hard = data.done[data.done.variant != "dense"].groupby("arm")[["val/hard_precision", "val/hard_recall", "val/hard_base_rate"]].mean().reset_index()
         out += ["Routing against ground truth (arithmetic task: hard = answer digits of multiplications):", "", md_table(hard), ""]
-    if (dest / "routing_heatmap.png").exists():
-        out += ["Processed positions on one validation window (first routed arm, first seed):", "", "![routing heatmap](routing_heatmap.png)", ""]
+    if heatmap is not None:
+        out += [f"Processed positions on one validation window ({heatmap_arm}, first seed; drawn from its checkpoint):", "",
+                "![routing heatmap](routing_heatmap.png)", ""]
     return out
 
 
 def _finish(lines: list[str], data: ReportData, dest: Path, study_path, command: str | None) -> Path:
+    lines += _environment_lines(data, study_path) + _reproduce_lines(study_path, command)
+    path = dest / "report.md"
+    text = "\n".join(lines)
+    path.write_text(text)
+    _log_on_parent_run(data, dest)
+    return path
+
+
+REPORTED_PACKAGES = ("numpy", "scipy", "pandas", "statsmodels", "matplotlib", "mlflow", "optuna", "modbench")
+
+
+def _package_versions() -> dict[str, str]:
+    """Versions of the packages that computed and drew this report (importlib.metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in REPORTED_PACKAGES:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def git_sha_line(shas: list[str]) -> str:
+    """The commit the trials ran from; a ``-dirty`` sha (uncommitted changes) or several commits
+    are said plainly, since then no single commit reproduces the numbers."""
+    shas = sorted({s for s in shas if isinstance(s, str) and s}) or ["n/a"]
+    dirty = [s for s in shas if s.endswith("-dirty")]
+    text = ", ".join(shas)
+    if len(shas) > 1:
+        text += f" (**the trials ran from {len(shas)} different commits**)"
+    if dirty:
+        text += " (**uncommitted changes**: no commit reproduces these numbers exactly; rerun from a clean tree)"
+    return text
+
+
+def _environment_lines(data: ReportData, study_path) -> list[str]:
     import torch
 
     tags = data.tags
+    shas = data.done["git_sha"].tolist() if "git_sha" in data.done else [tags.get("git_sha", "n/a")]
     env = {
         "device": tags.get("device", "n/a"),
-        "torch": tags.get("torch_version", torch.__version__),
-        "python": tags.get("python_version", platform.python_version()),
-        "git sha": tags.get("git_sha", "n/a"),
+        "git sha (trials)": git_sha_line(shas),
+        "torch (trials)": tags.get("torch_version", torch.__version__),
+        "python (trials)": tags.get("python_version", platform.python_version()),
+        **{f"{name} (report)": v for name, v in _package_versions().items()},
         "dataset": data.study.base.train.dataset,
         "dataset sha256": tags.get("dataset_sha256", "n/a"),
         "study file": _portable(str(study_path)),
         "study file sha256": data.study.file_sha256,
         "Optuna storage": redact(_portable(data.storage)),
     }
-    lines += ["## Environment", "", pd.DataFrame({"": list(env), "value": list(env.values())}).to_markdown(index=False), "",
-              "## Reproduce", "", "```bash",
-              f"modbench study run {_portable(str(study_path))}", _portable(command or f"modbench report {study_path}"), "```", "",
-              "Data: `trials.csv` (every trial), `arms.csv`, `comparisons.csv`, `curves.csv` beside this file.", ""]
-    path = dest / "report.md"
-    text = "\n".join(lines)
-    path.write_text(text)
-    _log_on_parent_run(data, dest)
-    return path
+    return ["## Environment", "", pd.DataFrame({"": list(env), "value": list(env.values())}).to_markdown(index=False), ""]
+
+
+def _reproduce_lines(study_path, command: str | None) -> list[str]:
+    """The *Reproduce* block: the commands that rebuild this report. ``command`` is those lines as
+    ``modbench report`` writes them (modbench.cli.common.study_command: the store flags it used, a
+    password as a reference to an environment variable, no machine path); else the plain commands."""
+    commands = command or f"modbench study run {study_path}\nmodbench report {study_path}"
+    return ["## Reproduce", "", "```bash", *(_portable(line) for line in commands.splitlines()), "```", "",
+            "Data: `trials.csv` (every trial), `arms.csv`, `comparisons.csv`, `curves.csv` beside this file.", ""]
 
 
 def _log_on_parent_run(data: ReportData, dest: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from modbench.config.study import Arm, Study, canonical_arm
-from modbench.track.optuna_store import default_storage, trials_frame
+from modbench.track.optuna_store import connect_storage, default_storage, trials_frame
 
 ARM_KEYS = ("variant", "capacity", "pattern", "schedule", "lr_mult", "depth", "budget", "width", "control", "capacity_first")
 GROUP_KEYS = ("depth", "width", "budget", "lr_mult")
@@ -58,6 +58,8 @@ def collect(study: Study, *, uri: str, storage: str | None = None, out_dir: str 
             progress: bool = False) -> ReportData:
     url = storage or default_storage(study, out_dir)
     trials = trials_frame(study.name, url)
+    if len(trials):
+        trials = trials.merge(trial_times(study.name, url), on="number", how="left")
     done = trials[trials.state == "COMPLETE"].copy()
     for key in ARM_KEYS:
         if key not in done:
@@ -71,6 +73,20 @@ def collect(study: Study, *, uri: str, storage: str | None = None, out_dir: str 
     done["group"] = done.apply(lambda r: " ".join(f"{k}={r[k]}" for k in GROUP_KEYS if k in varying) or "all", axis=1) if len(done) else pd.Series(dtype=str)
     curves, tags = _from_mlflow(done, study.name, uri, progress)
     return ReportData(study, url, trials, done, curves, tags, uri)
+
+
+def trial_times(name: str, storage: str) -> pd.DataFrame:
+    """When each trial started and finished (Optuna's own timestamps): the study's compute in
+    trial-hours and its wall time come from these."""
+    import optuna
+
+    rdb = connect_storage(storage)
+    try:
+        trials = optuna.load_study(study_name=name, storage=rdb).get_trials(deepcopy=False)
+        return pd.DataFrame([{"number": t.number, "started": t.datetime_start, "finished": t.datetime_complete}
+                             for t in trials], columns=["number", "started", "finished"])
+    finally:
+        rdb.engine.dispose()
 
 
 def _from_mlflow(done: pd.DataFrame, experiment: str, uri: str, progress: bool = False) -> tuple[pd.DataFrame, dict[str, str]]:
@@ -89,6 +105,7 @@ def _from_mlflow(done: pd.DataFrame, experiment: str, uri: str, progress: bool =
         for name in FINAL_METRICS:
             if name in run.data.metrics:
                 done.loc[idx, name] = run.data.metrics[name]
+        done.loc[idx, "git_sha"] = run.data.tags.get("git_sha")  # per trial: a study can span commits
         fpt = run.data.metrics.get("perf/flops_per_token")
         tokens_per_step = float(run.data.params.get("budget.tokens_per_step", "nan"))
         for m in client.get_metric_history(run_id, "val/bpb"):

@@ -5,13 +5,18 @@ each FLOP budget, train several sizes, fit loss against log model size, and take
 (the "approach 2" profile of Hoffmann et al. 2022). This module does that per family (dense,
 a MoD variant at one capacity) and budget:
 
-- the fit: loss = a·u² + b·u + c in u = log10(parameters), least squares over the seed means
-  of each size (``numpy.polyfit``); the optimum u* = −b / 2a when a > 0 and u* lies inside
-  the sizes trained (otherwise the optimum is at an edge of the sweep and is reported as
-  such: the sweep must be widened before a conclusion is drawn);
-- uncertainty: a bootstrap over seeds (each size's seeds resampled with replacement, the fit
-  repeated; 2,000 resamples, fixed RNG), giving percentile CIs of the optimum's size and loss;
-- comparison optimum vs optimum: the bootstrap distribution of loss*(family) − loss*(dense).
+- **each size at its own best learning rate**: among the LR multipliers a size was trained at,
+  the one with the lowest validation loss on the tuning seed (the seed every multiplier ran;
+  the mean over seeds where no seed is common to all), and whether that best value is
+  *bracketed* (a worse multiplier trained on each side of it);
+- **the fit**: loss = a·u² + b·u + c in u = log10(parameters), ordinary least squares over the
+  seed means of the sizes (one point per size), residual df = sizes − 3;
+- **uncertainty from the fit's residuals**, not from seeds: s² = RSS / df, cov(a, b, c) =
+  s²·(XᵀX)⁻¹, and the delta method for the optimum u* = −b / 2a and its loss c − b² / 4a, with
+  a Student-t quantile at the residual df. With three sizes the parabola passes exactly through
+  them (0 residual df): the optimum is reported without a CI and flagged as an exact fit.
+  An optimum outside the sizes trained (or a = 0 or a < 0) is no optimum: flagged, the sweep
+  must be widened.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
 from modbench.errors import ModbenchError
 
-RESAMPLES = 2000
+MIN_SIZES = 3  # a parabola needs three sizes; a CI needs a fourth (residual df ≥ 1)
+CONFIDENCE = 0.95
 
 
 @dataclass(frozen=True)
@@ -31,76 +38,107 @@ class ProfileFit:
     family: str
     budget: float
     sizes: int
+    df: int  # residual degrees of freedom of the fit (sizes − 3)
     a: float
     b: float
     c: float
     opt_params: float  # NaN when the optimum is not inside the sweep
-    opt_low: float
+    opt_low: float  # NaN without residual df
     opt_high: float
     opt_loss: float
     loss_low: float
     loss_high: float
+    loss_se: float  # standard error of the optimum's loss (delta method); NaN without residual df
     inside: bool  # the fitted minimum lies strictly inside the sizes trained
+    nearest_trained: float  # the trained size closest (in log size) to the optimum
+    note: str  # "exact fit (0 residual df): no CI", "optimum at the edge of the sweep", …
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def _fit(u: np.ndarray, loss: np.ndarray) -> tuple[float, float, float, float, float, bool]:
-    a, b, c = np.polyfit(u, loss, 2)
-    if a > 0 and u.min() < -b / (2 * a) < u.max():
-        u_opt = -b / (2 * a)
-        return a, b, c, u_opt, a * u_opt**2 + b * u_opt + c, True
-    # No interior minimum: the best size trained is the best estimate, flagged as an edge.
-    i = int(np.argmin(a * u**2 + b * u + c))
-    return a, b, c, float(u[i]), float(a * u[i] ** 2 + b * u[i] + c), False
+def best_lr_points(points: pd.DataFrame, tuning_seed: int | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Each (family, budget, size) at its own best LR multiplier.
+
+    ``points``: family, budget, params, lr_mult, seed, loss (one row per trial). Returns the rows
+    at each size's best multiplier, and one row per size: the multipliers tried, the best, and
+    whether it is bracketed."""
+    keep, table = [], []
+    for (family, budget, params), g in points.groupby(["family", "budget", "params"]):
+        best = _best_multiplier(g, tuning_seed)
+        grid = sorted(g["lr_mult"].unique())
+        keep.append(g[g["lr_mult"] == best])
+        table.append({"family": family, "budget": budget, "params": params, "lr grid": ", ".join(f"{m:g}" for m in grid),
+                      "best lr_mult": best, "bracketed": 0 < grid.index(best) < len(grid) - 1,
+                      "seeds at best": int((g["lr_mult"] == best).sum())})
+    columns = ["family", "budget", "params", "lr grid", "best lr_mult", "bracketed", "seeds at best"]
+    return (pd.concat(keep, ignore_index=True) if keep else points.iloc[:0]), pd.DataFrame(table, columns=columns)
 
 
-def _resample_means(groups: list[np.ndarray], rng: np.random.Generator) -> np.ndarray:
-    return np.array([g[rng.integers(0, len(g), len(g))].mean() for g in groups])
+def _best_multiplier(g: pd.DataFrame, tuning_seed: int | None) -> float:
+    """Chosen on the seed every multiplier ran (the tuning seed when given), so each multiplier
+    is judged on the same data; the mean over seeds when no seed is common to all."""
+    per_lr = {m: set(s["seed"]) for m, s in g.groupby("lr_mult")}
+    common = set.intersection(*per_lr.values())
+    seed = tuning_seed if tuning_seed in common else (min(common) if common else None)
+    scored = g[g["seed"] == seed] if seed is not None else g
+    return float(scored.groupby("lr_mult")["loss"].mean().idxmin())
 
 
-def _bootstrap(u: np.ndarray, groups: list[np.ndarray], rng: np.random.Generator) -> np.ndarray:
-    """(RESAMPLES, 2): the optimum's u and loss under resampled seeds."""
-    out = np.empty((RESAMPLES, 2))
-    for i in range(RESAMPLES):
-        _, _, _, u_opt, l_opt, _ = _fit(u, _resample_means(groups, rng))
-        out[i] = u_opt, l_opt
-    return out
+def _design(u: np.ndarray) -> np.ndarray:
+    return np.column_stack([u**2, u, np.ones_like(u)])
 
 
-def fit_profile(points: pd.DataFrame, family: str, budget: float, *, seed: int = 0) -> tuple[ProfileFit, np.ndarray]:
-    """Fit one (family, budget) profile; also returns the bootstrap draws of the optimum's loss."""
+def fit_profile(points: pd.DataFrame, family: str, budget: float) -> ProfileFit:
+    """Fit one (family, budget) profile over the seed means of its sizes (``points`` already at
+    each size's best LR: family, budget, params, loss)."""
     g = points[(points["family"] == family) & (points["budget"] == budget)]
     g = g[np.isfinite(pd.to_numeric(g["loss"], errors="coerce"))]
-    by_size = [(p, s["loss"].to_numpy(dtype=float)) for p, s in g.groupby("params")]
-    if len(by_size) < 3:
-        raise ModbenchError(f"isoFLOP profile {family} at {budget:g} FLOPs has {len(by_size)} model sizes: "
-                            "a parabola needs at least 3")
-    u = np.log10([p for p, _ in by_size])
-    groups = [v for _, v in by_size]
-    a, b, c, u_opt, l_opt, inside = _fit(u, np.array([v.mean() for v in groups]))
-    draws = _bootstrap(u, groups, np.random.default_rng(seed))
-    (u_lo, u_hi), (l_lo, l_hi) = np.percentile(draws[:, 0], [2.5, 97.5]), np.percentile(draws[:, 1], [2.5, 97.5])
-    fit = ProfileFit(family, float(budget), len(by_size), float(a), float(b), float(c),
-                     float(10**u_opt) if inside else float("nan"), float(10**u_lo), float(10**u_hi),
-                     float(l_opt), float(l_lo), float(l_hi), inside)
-    return fit, draws[:, 1]
+    means = g.groupby("params")["loss"].mean()
+    if len(means) < MIN_SIZES:
+        raise ModbenchError(f"isoFLOP profile {family} at {budget:g} FLOPs has {len(means)} model sizes: "
+                            f"a parabola needs at least {MIN_SIZES}")
+    u, y = np.log10(means.index.to_numpy(dtype=float)), means.to_numpy(dtype=float)
+    X = _design(u)
+    (a, b, c), *_ = np.linalg.lstsq(X, y, rcond=None)
+    df = len(u) - 3
+    inside = bool(a > 0 and u.min() < -b / (2 * a) < u.max())
+    u_opt = -b / (2 * a) if inside else float(u[np.argmin(X @ np.array([a, b, c]))])
+    loss_opt = float(np.array([u_opt**2, u_opt, 1.0]) @ np.array([a, b, c]))
+    nearest = float(10 ** u[np.argmin(np.abs(u - u_opt))])
+    nan = float("nan")
+    u_lo = u_hi = l_lo = l_hi = l_se = nan
+    if df >= 1 and inside:
+        cov = float(np.sum((y - X @ np.array([a, b, c])) ** 2)) / df * np.linalg.inv(X.T @ X)
+        t = stats.t.ppf(0.5 + CONFIDENCE / 2, df)
+        grad_u = np.array([b / (2 * a**2), -1 / (2 * a), 0.0])  # ∂u*/∂(a, b, c)
+        grad_l = np.array([b**2 / (4 * a**2), -b / (2 * a), 1.0])  # ∂(c − b²/4a)/∂(a, b, c)
+        u_se, l_se = float(np.sqrt(grad_u @ cov @ grad_u)), float(np.sqrt(grad_l @ cov @ grad_l))
+        u_lo, u_hi, l_lo, l_hi = u_opt - t * u_se, u_opt + t * u_se, loss_opt - t * l_se, loss_opt + t * l_se
+    note = ("no interior minimum: the optimum is at an edge of the sizes trained (widen the sweep)" if not inside
+            else "exact fit (0 residual df): no CI" if df == 0 else f"least squares, {df} residual df")
+    return ProfileFit(family, float(budget), len(u), df, float(a), float(b), float(c),
+                      float(10**u_opt) if inside else nan, float(10**u_lo), float(10**u_hi), loss_opt,
+                      l_lo, l_hi, l_se, inside, nearest, note)
 
 
-def profiles(points: pd.DataFrame, *, reference: str = "dense", seed: int = 0) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """All fits, and each family's optimum minus the reference's at the same budget (with CI)."""
-    fits, draws = [], {}
-    for (family, budget), _ in points.groupby(["family", "budget"]):
-        fit, d = fit_profile(points, family, budget, seed=seed)
-        fits.append(fit.to_dict())
-        draws[(family, budget)] = d
+def profiles(points: pd.DataFrame, *, reference: str = "dense") -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Every (family, budget) fit with at least three sizes, and each family's optimum loss minus
+    the reference's at the same budget, with a CI only when both fits have residual df (standard
+    errors combined in quadrature, t at the smaller df: conservative)."""
+    fits = {key: fit_profile(points, *key) for key, g in points.groupby(["family", "budget"])
+            if g["params"].nunique() >= MIN_SIZES}
     rows = []
-    for (family, budget), d in draws.items():
-        if family == reference or (reference, budget) not in draws:
+    for (family, budget), fit in fits.items():
+        ref = fits.get((reference, budget))
+        if family == reference or ref is None:
             continue
-        diff = d - draws[(reference, budget)]
-        rows.append(dict(family=family, reference=reference, budget=budget,
-                         estimate=float(np.median(diff)), ci_low=float(np.percentile(diff, 2.5)),
-                         ci_high=float(np.percentile(diff, 97.5)), method="bootstrap over seeds (optimum vs optimum)"))
-    return pd.DataFrame(fits), pd.DataFrame(rows)
+        diff = fit.opt_loss - ref.opt_loss
+        row = dict(family=family, reference=reference, budget=budget, estimate=diff, ci_low=None, ci_high=None,
+                   method="no CI: a fit without residual df")
+        if np.isfinite(fit.loss_se) and np.isfinite(ref.loss_se):
+            half = stats.t.ppf(0.5 + CONFIDENCE / 2, min(fit.df, ref.df)) * float(np.hypot(fit.loss_se, ref.loss_se))
+            row.update(ci_low=diff - half, ci_high=diff + half, method="fit residuals (delta method), t at the smaller df")
+        rows.append(row)
+    columns = [f.name for f in ProfileFit.__dataclass_fields__.values()]
+    return pd.DataFrame([f.to_dict() for f in fits.values()], columns=columns), pd.DataFrame(rows)

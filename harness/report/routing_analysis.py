@@ -50,6 +50,11 @@ def selection_masks(checkpoint: Path, n_windows: int = 16) -> tuple[np.ndarray, 
 
 def analyse(checkpoint: Path, n_windows: int = 16) -> dict[str, pd.DataFrame]:
     x, masks, _ = selection_masks(checkpoint, n_windows)
+    return analyse_masks(x, masks)
+
+
+def analyse_masks(x: np.ndarray, masks: list[np.ndarray]) -> dict[str, pd.DataFrame]:
+    """The tables of :func:`analyse` from input bytes and per-layer selection masks."""
     T = x.shape[1]
     bucket = np.minimum(np.arange(T) * N_BUCKETS // T, N_BUCKETS - 1)
     pos_rows, class_rows, overlap_rows = [], [], []

@@ -26,7 +26,9 @@ def fixed_settings(study: Study) -> dict[str, str]:
     return {**{f"base.{k}": repr(v) for k, v in study.base.to_dict().items()
                if k not in ("train.seed", "train.out_dir", "train.run_name", "train.experiment", "train.track")},
             **{f"options.{v}.{k}": repr(x) for v, table in sorted(study.options.items()) for k, x in table.items()},
-            "study.objectives": repr(list(study.settings.objectives))}
+            "study.objectives": repr(list(study.settings.objectives)),
+            # Only when set: a study created before [tune] existed records no such key.
+            **({"study.tune": repr(study.tune)} if study.tune.lr_mult else {})}
 
 
 def refuse_changed_fixed_settings(optuna_study: optuna.Study, s: Study, storage_url: str) -> None:
@@ -78,16 +80,17 @@ def arm_params(arm: Arm) -> dict[str, Any]:
     return params
 
 
-def grid_attrs(arm: Arm, seed: int, label: str) -> dict[str, Any]:
+def grid_attrs(arm: Arm, seed: int, label: str, stage: str = "") -> dict[str, Any]:
     """A grid point as trial user attributes. A grid samples nothing, so its arm is not an Optuna
     param: params would fix the study's search space at creation, and an arm added to the study
-    file later could not be queued (Optuna refuses new categorical choices)."""
-    return {"seed": seed, "arm": label, "arm_params": arm_params(arm)}
+    file later could not be queued (Optuna refuses new categorical choices). ``stage``: the
+    tuning stage that queued it (``modbench.study.tuning``), for studies with [tune]."""
+    return {"seed": seed, "arm": label, "arm_params": arm_params(arm), **({"stage": stage} if stage else {})}
 
 
 def point_attrs(user_attrs: dict[str, Any]) -> dict[str, Any]:
     """The attributes that say which (arm, seed) a trial is, to queue the same point again."""
-    return {k: user_attrs[k] for k in ("seed", "arm", "arm_params") if k in user_attrs}
+    return {k: user_attrs[k] for k in ("seed", "arm", "arm_params", "stage") if k in user_attrs}
 
 
 def arm_of(trial: optuna.Trial, study: Study) -> Arm:
@@ -95,6 +98,11 @@ def arm_of(trial: optuna.Trial, study: Study) -> Arm:
     fixed = trial.user_attrs.get("arm_params")
     if fixed is None:
         return suggest_arm(trial, study)
+    return arm_from_params(fixed)
+
+
+def arm_from_params(fixed: dict[str, Any]) -> Arm:
+    """The arm of ``arm_params`` (a grid point's attributes, or a row of the trials frame)."""
     dense = fixed["variant"] == "dense"
     return canonical_arm(fixed["variant"], 1.0 if dense else fixed["capacity"], "-" if dense else fixed["pattern"],
                          "constant" if dense else fixed["schedule"], fixed["lr_mult"], fixed["depth"], fixed["budget"],

@@ -7,6 +7,12 @@
 - A trial is one (arm, seed). Grid studies queue every arm × seed when the study is created;
   model-based samplers propose an arm and queue the remaining seeds of that arm, so every arm
   runs the same seeds and statistics compare like with like.
+- A study with [tune] runs in stages (``modbench.study.tuning``: tune → extend → optimum →
+  confirm → seeds): what a stage queues depends on the finished trials of the ones before. When
+  nothing waits, a worker takes the storage's stage lock (``stage_lock``), and if no trial is
+  still running it plans and queues the next stage; a worker that finds trials of the current
+  stage still running waits for them instead of exiting. The study is complete, and its MLflow
+  parent run ends, when the last stage has nothing more to queue.
 - Re-running the command resumes: finished trials are never repeated; ``--n-trials`` caps how
   many this invocation runs (and lets a model-based study sample more arms than its file says).
 - MLflow: one experiment per study, a parent run for the study and a child run per trial, with
@@ -16,12 +22,15 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import math
 import os
 import socket
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,16 +44,68 @@ from modbench.results import RunRecord
 from modbench.config.study import Arm, Study, load_study
 from modbench.model.sizing import study_arms
 from modbench.study.points import (
-    FIXED_ATTR, arm_of, fixed_settings, grid_attrs, point_attrs, queue_new_grid_points,
+    FIXED_ATTR, arm_from_params, arm_of, fixed_settings, grid_attrs, point_attrs, queue_new_grid_points,
     refuse_changed_fixed_settings, suggest_arm,
 )
+from modbench.study import tuning
 from modbench.track.checkpoint import check_writable
-from modbench.track.optuna_store import PARENT_ATTR, connect_storage, default_storage, study_dir
+from modbench.track.optuna_store import PARENT_ATTR, connect_storage, default_storage, study_dir, with_fail_reason
 from modbench.track.tracking import Tracker, fail_stale_runs
 from modbench.run.train import train
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
 CREATION_WAIT_S = 300.0  # how long a worker waits for another to finish creating the study
+STAGE_POLL_S = 1.0  # how often a worker with nothing to run looks whether the current stage has finished
+STAGES_ATTR = "stages"  # study user attr: the stages queued so far, in order ({"stage", "queued", "record"})
+STAGES_DONE_ATTR = "stages_complete"  # study user attr: True once the last stage has nothing left to queue
+
+
+@contextmanager
+def stage_lock(url: str, name: str):
+    """Held while a worker plans and queues a study's next stage, so that it happens once.
+
+    Why a lock and not a compare-and-set attribute: the check (nothing waits or runs, the plan
+    has something missing) and the writes (the trials, the stage record) are many statements, and
+    a lock the database or the OS holds for a *process* is released when that process dies
+    (no stale lock to expire). SQLite: ``flock`` on a file beside the database (SQLite storage is
+    one host's file). PostgreSQL: a session-level ``pg_advisory_lock`` keyed by the study name,
+    held on a connection of its own. Planning is also idempotent (``tuning.plan`` returns only
+    points with no trial yet), so a second worker that gets the lock after the first finds the
+    stage queued and queues nothing.
+    """
+    if url.startswith("sqlite:///") and ":memory:" not in url:
+        db = Path(url.removeprefix("sqlite:///"))
+        with open(db.with_name(f"{db.name}.{name}.stages.lock"), "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+    elif url.startswith("sqlite://"):  # in memory: one process, no other worker can see it
+        yield
+    elif url.startswith("postgresql"):
+        import sqlalchemy as sa
+
+        key = int.from_bytes(hashlib.sha256(f"modbench.stages.{name}".encode()).digest()[:8], "big", signed=True)
+        engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
+        try:
+            with engine.connect() as conn:
+                conn.execute(sa.text("SELECT pg_advisory_lock(:key)"), {"key": key})
+                try:
+                    yield
+                finally:
+                    conn.execute(sa.text("SELECT pg_advisory_unlock(:key)"), {"key": key})
+        finally:
+            engine.dispose()
+    else:
+        check_stage_storage(url)
+
+
+def check_stage_storage(url: str) -> None:
+    """A study with [tune] needs a storage ``stage_lock`` can lock: refused before anything is written."""
+    if not url.startswith(("sqlite://", "postgresql")):
+        raise ModbenchError(f"storage {redact(url)!r}: a study with [tune] runs in stages, which need SQLite or "
+                            "PostgreSQL storage (a lock that ends with its worker); use sqlite:///… or postgresql+psycopg://…")
 
 
 class StudyInterrupted(ModbenchError):
@@ -71,6 +132,7 @@ class StudyOutcome:
     counts: dict[str, int]
     best: dict[str, Any] | None
     seconds: float
+    stages: dict[str, Any] | None = None  # a study with [tune]: ``stage_status``
 
 
 def open_storage(url: str, experiment: str, *, tracking_uri: str, heartbeat: int, grace: int,
@@ -121,6 +183,8 @@ class Runner:
         self.storage_url = storage_url
         self.tracking_uri = tracking_uri
         self.interrupted: str | None = None  # which trial a Ctrl-C / SIGTERM re-queued
+        if study.tune.lr_mult:
+            check_stage_storage(storage_url)
         self.storage = open_storage(storage_url, study.name, tracking_uri=tracking_uri, heartbeat=heartbeat, grace=grace)
         self.optuna = self._create_or_load()
 
@@ -162,7 +226,8 @@ class Runner:
                 time.sleep(0.2)
                 study = optuna.load_study(storage=self.storage, study_name=s.name, sampler=kwargs["sampler"], pruner=kwargs["pruner"])
             if s.settings.sampler == "grid" and study.user_attrs.get("study_file_sha256") != s.file_sha256:
-                queue_new_grid_points(study, s)  # the first worker to see the edited file queues what it adds
+                if not s.tune.lr_mult:  # a staged study's next plan queues what the edit adds
+                    queue_new_grid_points(study, s)  # the first worker to see the edited file queues what it adds
                 study.set_user_attr("study_file_sha256", s.file_sha256)
         return study
 
@@ -181,7 +246,9 @@ class Runner:
                            "study.seeds": s.settings.seeds, "study.objectives": s.settings.objectives,
                            "study.file_sha256": s.file_sha256, **{f"base.{k}": v for k, v in s.base.to_dict().items()}})
         parent.flush()
-        if s.settings.sampler == "grid":
+        if s.tune.lr_mult:
+            self._advance(study)  # the first stage (tune); the later ones follow the trials
+        elif s.settings.sampler == "grid":
             # Seed-major: every arm's seed 0 first, so a study stopped early compares arms on the same seeds.
             arms = study_arms(s)
             for seed in s.settings.seeds:
@@ -257,6 +324,7 @@ class Runner:
         for k, v in {**result.record.metrics, "steps": result.steps}.items():  # the record's names, as MLflow has them
             trial.set_user_attr(k, v)
         if any(not math.isfinite(v) for v in values):
+            trial.set_user_attr("fail_reason", f"diverged: non-finite objective {values}")
             raise ModbenchError(f"trial {trial.number} produced a non-finite objective {values}")
         return values[0] if len(values) == 1 else values
 
@@ -279,9 +347,9 @@ class Runner:
             print(f"modbench: trial {t.number} ({t.user_attrs.get('arm')}, seed {t.user_attrs.get('seed')}) lost its "
                   f"worker (pid {pid} on this host is gone): queued again", file=sys.stderr)
 
-    def _say_if_failed(self) -> None:
-        """One line per failed trial (Optuna's own warning, with its traceback, is silenced)."""
-        last = self.optuna.get_trials(deepcopy=False)[-1]
+    def _say_if_failed(self, study: optuna.Study, last: optuna.trial.FrozenTrial) -> None:
+        """One line per failed trial (Optuna's own warning, with its traceback, is silenced); ``last``
+        is the trial this worker just ran (the study's newest trial may be a queued one)."""
         if last.state == TrialState.FAIL and not last.user_attrs.get("requeued"):
             reason = last.user_attrs.get("fail_reason", "unknown reason")
             print(f"modbench: trial {last.number} ({last.user_attrs.get('arm')}, seed {last.user_attrs.get('seed')}) "
@@ -293,6 +361,52 @@ class Runner:
         self.optuna.enqueue_trial(trial.params, user_attrs=point_attrs(trial.user_attrs))
         self.interrupted = f"trial {trial.number} ({self.study.label(arm)}, seed {seed})"
 
+    # --- stages (studies with [tune]) --------------------------------------------------------
+    def _points(self, study: optuna.Study) -> list[tuning.TrialPoint]:
+        """Every trial of the study as planning sees it (surplus and re-queued ones left out)."""
+        out = []
+        for t in study.get_trials(deepcopy=False):
+            attrs = t.user_attrs
+            if attrs.get("surplus") or attrs.get("requeued") or "arm_params" not in attrs:
+                continue
+            complete = t.state == TrialState.COMPLETE
+            # The claims' selection metric; a study whose runs do not record it selects on its objective.
+            value = attrs.get(tuning.SELECT, t.values[0] if complete and t.values else None) if complete else None
+            headline = attrs.get(tuning.HEADLINE) if complete else None
+            reason = attrs.get("fail_reason") or ("worker lost (no heartbeat)" if t.state == TrialState.FAIL else "")
+            out.append(tuning.TrialPoint(arm_from_params(attrs["arm_params"]), int(attrs["seed"]), t.state.name,
+                                         attrs.get("stage", ""), _finite_or_none(value), _finite_or_none(headline), reason))
+        return out
+
+    def _advance(self, study: optuna.Study) -> str:
+        """Queue the next stage if the current one has finished: "queued", "busy" (trials of the
+        current stage wait or run) or "complete". Under the stage lock, so once per stage."""
+        with stage_lock(self.storage_url, self.study.name):
+            while True:
+                active = study.get_trials(deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING))
+                if active:
+                    return "busy"
+                history = study.user_attrs.get(STAGES_ATTR, [])
+                step = tuning.plan(self.study, self._points(study), [h["stage"] for h in history])
+                if step.stage == tuning.COMPLETE:
+                    study.set_user_attr(STAGES_DONE_ATTR, True)
+                    return "complete"
+                for arm, seed in step.queue:
+                    study.enqueue_trial({}, user_attrs=grid_attrs(arm, seed, self.study.label(arm), step.stage))
+                # Recorded after the trials: a worker that dies in between leaves trials queued and
+                # the stage unrecorded, and the next plan finds nothing missing for that stage.
+                study.set_user_attr(STAGES_ATTR, [*history, {"stage": step.stage, "queued": len(step.queue),
+                                                             "record": step.record}])
+                study.set_user_attr(STAGES_DONE_ATTR, False)
+                if step.queue:
+                    return "queued"
+
+    def stages(self) -> list[dict]:
+        return self.optuna.user_attrs.get(STAGES_ATTR, [])
+
+    def stages_complete(self) -> bool:
+        return bool(self.optuna.user_attrs.get(STAGES_DONE_ATTR))
+
     # --- the worker loop ----------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -303,7 +417,11 @@ class Runner:
         return out
 
     def expected_total(self) -> int:
+        """Trials planned: the whole grid, the sampled arms × seeds, or (with [tune]) the trials
+        the stages have queued so far (it grows with each stage)."""
         s = self.study
+        if s.tune.lr_mult:
+            return sum(self.counts().values())
         arms = len(study_arms(s)) if s.settings.sampler == "grid" else s.settings.n_trials
         return arms * len(s.settings.seeds)
 
@@ -326,14 +444,22 @@ class Runner:
                     optuna.storages.fail_stale_trials(self.optuna)
                 self._retry_dead_local_workers()
                 waiting = self.optuna.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+                if not waiting and s.tune.lr_mult:
+                    state = self._advance(self.optuna)
+                    if state == "complete":
+                        break
+                    if state == "busy" and not self.optuna.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+                        time.sleep(STAGE_POLL_S)  # other workers run the stage's last trials: wait for the next
+                    bar.update()
+                    continue
                 if not waiting:
                     if grid:
                         break
                     if max_trials is None and self.sampled_arms() >= s.settings.n_trials:
                         break
-                self.optuna.optimize(self.objective, n_trials=1, catch=(ModbenchError,))
+                self.optuna.optimize(with_fail_reason(self.objective), n_trials=1, catch=(ModbenchError,),
+                                     callbacks=[self._say_if_failed])
                 ran += 1
-                self._say_if_failed()
                 bar.update()
         finally:
             bar.close()
@@ -347,6 +473,8 @@ class Runner:
         done = sum(counts.get(k, 0) for k in ("COMPLETE", "PRUNED", "FAIL"))
         if done < self.expected_total() or not self.parent_run_id:
             return
+        if self.study.tune.lr_mult and not self.stages_complete():
+            return  # a later stage is still to be queued
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(self.tracking_uri)
@@ -357,6 +485,14 @@ class Runner:
         for state, n in counts.items():
             client.log_metric(self.parent_run_id, f"trials/{state.lower()}", n)
         client.set_terminated(self.parent_run_id, "FINISHED")
+
+
+def _finite_or_none(x: Any) -> float | None:
+    try:
+        x = float(x)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
 
 
 def best_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
@@ -423,4 +559,30 @@ def run_study(path: str | Path, *, storage: str | None = None, out_dir: str | Pa
         b = best[0]
         best_info = {"trial": b.number, "arm": b.user_attrs.get("arm"), "seed": b.user_attrs.get("seed"),
                      **dict(zip(study.settings.objectives, b.values))}
-    return StudyOutcome(study.name, url, ran, runner.counts(), best_info, time.monotonic() - t0)
+    return StudyOutcome(study.name, url, ran, runner.counts(), best_info, time.monotonic() - t0,
+                        _stage_summary(runner.optuna.user_attrs))
+
+
+def _stage_summary(attrs: dict[str, Any]) -> dict[str, Any] | None:
+    if STAGES_ATTR not in attrs:
+        return None
+    return {"stages": [{"stage": h["stage"], "queued": h["queued"]} for h in attrs[STAGES_ATTR]],
+            "complete": bool(attrs.get(STAGES_DONE_ATTR))}
+
+
+def stage_status(name: str, url: str) -> dict[str, Any] | None:
+    """A staged study's stages, each with the trials it queued, and whether the last is done
+    (None for a study without [tune]): ``modbench study status`` shows them."""
+    rdb = connect_storage(url)
+    try:
+        return _stage_summary(optuna.load_study(study_name=name, storage=rdb).user_attrs)
+    except KeyError:  # no such study: the trials listing says so
+        return None
+    finally:
+        rdb.engine.dispose()
+
+
+def stage_line(summary: dict[str, Any]) -> str:
+    """One line: "stages: tune 21, extend 2, optimum 0, confirm 21 (in progress)"."""
+    parts = ", ".join(f"{h['stage']} {h['queued']}" for h in summary["stages"])
+    return f"stages: {parts} ({'complete' if summary['complete'] else 'in progress'})"
