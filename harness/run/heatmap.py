@@ -23,7 +23,7 @@ from matplotlib.figure import Figure  # noqa: E402
 
 PROCESSED_COLOR = "#1f3b73"  # dark
 SKIPPED_COLOR = "#eef1f6"  # light
-DPI = 120
+DPI = 200  # as every report figure (modbench.report.figures)
 
 
 def routing_mask(selected: list[np.ndarray], seq_len: int) -> np.ndarray:
