@@ -41,40 +41,54 @@ bench: $(STAMP)
 
 # The GPU measurements (bf16, torch.compile, synchronised timing) on a machine with CUDA and no
 # network: its own python3 (GPU_PYTHON) holds a CUDA torch, pytest, pytest-benchmark, pandas,
-# tabulate and rich, so no venv is built; modbench itself is installed editable, without deps.
+# tabulate and rich, and neither MLflow nor Optuna (the benchmarks import neither), so no venv is
+# built and nothing is installed: the package is laid out as `modbench` under build/gpu-pkg (a
+# copy of harness/, variants/ and studies/, remade by every part) and put on PYTHONPATH.
 #   make gpu-bench                  # all four parts, then reports/bench/$(BENCH).json and .md
 #   make gpu-bench-mfu              # one part: reports/bench/$(BENCH)-mfu.json (also -decode, -block, -model)
 #   make gpu-bench-report           # the table over the parts' JSONs that exist
-# Each part is one pytest run (and one JSON), so a part cut short loses only itself. GPU_K_<part>
-# is its pytest -k selection: the defaults time the issue's measurements (dense MFU, decoding,
-# sigmoid blocks at every T and C, the model at C = 0.125) in an estimated 2-6 minutes a part,
-# mostly compilation (an estimate, not a measurement); GPU_K_block=cuda times every variant
-# (about 115 compiled entries: run it on its own).
+#   make gpu-smoke                  # a few CUDA training steps of `modbench train` (bf16 autocast, no tracking)
+# The results' name follows the GPU (h100, h200, a100, ...: GPU_NAME, from nvidia-smi). Each part is
+# one pytest run (and one JSON), so a part cut short loses only itself. GPU_K_<part> is its pytest
+# -k selection: the defaults time the issue's measurements (dense MFU, decoding, sigmoid blocks at
+# every T and C, the model at C = 0.125); GPU_K_block=cuda times every variant (about 115
+# compiled entries: run it on its own).
 GPU_PYTHON   ?= python3
+GPU_PKG      := build/gpu-pkg
+GPU_RUN       = PYTHONPATH=$(CURDIR)/$(GPU_PKG)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON)
+# "NVIDIA H200" -> h200, "NVIDIA H100 80GB HBM3" -> h100; "gpu" where nvidia-smi says nothing.
+GPU_NAME      = $(or $(shell nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | \
+                  grep -oiE '\b[a-z]+[0-9]+[a-z]*\b' | grep -viE '^(nvidia|[0-9]+gb)$$' | head -n 1 | tr A-Z a-z),gpu)
 GPU_PARTS    := mfu decode block model
 GPU_K_mfu    ?= cuda
 GPU_K_decode ?= cuda
 GPU_K_block  ?= cuda and (dense or sigmoid)
 GPU_K_model  ?= cuda and (dense or sigmoid-C0.125)
-.PHONY: $(GPU_PARTS:%=gpu-bench-%)
-gpu-bench gpu-bench-setup gpu-bench-report $(GPU_PARTS:%=gpu-bench-%): BENCH = h100
+GPU_SMOKE_STEPS ?= 20
+.PHONY: gpu-smoke $(GPU_PARTS:%=gpu-bench-%)
+gpu-bench gpu-bench-setup gpu-bench-report gpu-smoke $(GPU_PARTS:%=gpu-bench-%): BENCH = $(GPU_NAME)
 
 gpu-bench-setup:
 	$(GPU_PYTHON) -c "import sys, torch; sys.exit(None if torch.cuda.is_available() else 'gpu-bench: no CUDA device')"
-	$(GPU_PYTHON) -c "import modbench" 2>/dev/null || \
-	  $(GPU_PYTHON) -m pip install --quiet --no-deps --no-build-isolation -e .
+	rm -rf $(GPU_PKG) && mkdir -p $(GPU_PKG)
+	cp -R harness $(GPU_PKG)/modbench && cp -R variants $(GPU_PKG)/modbench/variants && cp -R studies $(GPU_PKG)/modbench/studies
+	$(GPU_RUN) -c "import modbench.model.gpt, modbench.bench.table, modbench.run.train"
 	mkdir -p reports/bench
 
 $(GPU_PARTS:%=gpu-bench-%): gpu-bench-%: gpu-bench-setup
-	$(GPU_PYTHON) -m pytest -p no:cacheprovider -q tests/bench/test_$(if $(filter $*,mfu),mfu,$*_speed).py \
+	$(GPU_RUN) -m pytest -p no:cacheprovider -q tests/bench/test_$(if $(filter $*,mfu),mfu,$*_speed).py \
 	  -k "$(GPU_K_$*)" --benchmark-enable --benchmark-json=reports/bench/$(BENCH)-$*.json --benchmark-group-by=group
 
 gpu-bench-report:
-	$(GPU_PYTHON) -m modbench.bench.table $(wildcard $(GPU_PARTS:%=reports/bench/$(BENCH)-%.json)) \
+	$(GPU_RUN) -m modbench.bench.table $(wildcard $(GPU_PARTS:%=reports/bench/$(BENCH)-%.json)) \
 	  --write-json reports/bench/$(BENCH).json --markdown reports/bench/$(BENCH).md
 
 gpu-bench: $(GPU_PARTS:%=gpu-bench-%)
 	$(MAKE) --no-print-directory gpu-bench-report BENCH=$(BENCH) GPU_PYTHON=$(GPU_PYTHON)
+
+gpu-smoke: gpu-bench-setup
+	$(GPU_RUN) -m modbench.cli.main train --device cuda --budget steps=$(GPU_SMOKE_STEPS) --variant sigmoid \
+	  --capacity 0.125 --dataset stdlib --eval-every 10 --out-dir build/gpu-smoke --no-track --quiet
 
 clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks

@@ -2,7 +2,8 @@
 
     python -m modbench.bench.profile_block --variant sigmoid --capacity 0.125 --seq-len 1024
 
-builds one ``RoutedBlock`` (d = 256, 4 heads of 64, B = 8 by default, fp32, 2 threads) and
+builds one ``RoutedBlock`` (d = 256, 4 heads of 64, B = 8 by default, fp32, 2 threads; with
+``--device cuda`` d = 1024, 8 heads of 128, bf16 autocast, eager, synchronised timing) and
 the ``DenseLayer`` with the *same block weights*, times forward + backward of both, prints
 the measured time ratio next to the analytic FLOP ratio, then profiles the routed block with
 ``torch.profiler`` and prints the top ops by self CPU time (router linear, topk, sort,
@@ -10,7 +11,7 @@ index_select, index_add, attention, the MLP's linears and their backward nodesâ€
 
 The same helpers build and count the blocks of the speed benchmarks (``tests/bench``):
 
-- ``bench_config``: the benchmark model shape (ModelConfig(depth=4, n_embd=256, head_dim=64)).
+- ``bench_config``: the benchmark model shape (depth 4; d = 256 on CPU, 1024 on CUDA).
 - ``build_block``: a routed block (or the dense reference) with seeded, shared weights.
 - FLOPs: each layer's own ``flops(seq_len)`` (``modbench.model.gpt``), the model's counter.
 - ``fwd_bwd``: the closure the benchmarks time.
@@ -32,13 +33,18 @@ from modbench.config.capacity import CapacitySchedule
 from modbench.config.model import ModelConfig
 from modbench.model.gpt import DenseLayer, RoutedBlock, rope_tables
 
-BENCH_WIDTH = 256
-BENCH_HEAD_DIM = 64
+# (width, head_dim) per device: d = 256 is the CPU point; on a GPU a d = 256 block is a few
+# microseconds of tensor-core work and kernel launches would time the framework, not routing,
+# so CUDA entries use d = 1024 (8 heads of 128, FlashAttention's best head size on Hopper).
+BENCH_SHAPE = {"cpu": (256, 64), "cuda": (1024, 128)}
+BENCH_WIDTH, BENCH_HEAD_DIM = BENCH_SHAPE["cpu"]
 
 
-def bench_config(max_seq_len: int = 2048, depth: int = 4) -> ModelConfig:
-    """The benchmark shape: d = 256, 4 heads of 64, MLP ratio 4 (the issue's CPU point)."""
-    return ModelConfig(depth=depth, n_embd=BENCH_WIDTH, head_dim=BENCH_HEAD_DIM, max_seq_len=max_seq_len)
+def bench_config(max_seq_len: int = 2048, depth: int = 4, device: str = "cpu") -> ModelConfig:
+    """The benchmark shape of ``device`` (``BENCH_SHAPE``): d = 256, 4 heads of 64 on CPU;
+    d = 1024, 8 heads of 128 on CUDA; MLP ratio 4."""
+    width, head_dim = BENCH_SHAPE["cuda" if device.startswith("cuda") else "cpu"]
+    return ModelConfig(depth=depth, n_embd=width, head_dim=head_dim, max_seq_len=max_seq_len)
 
 
 def build_block(variant: str, capacity: float, cfg: ModelConfig, seed: int = 0) -> nn.Module:
@@ -137,6 +143,19 @@ def _median(xs: Sequence[float]) -> float:
 
 
 # --- the script ---------------------------------------------------------------------------
+def _synchronised(fn: Callable[[], Tensor], cuda: bool) -> Callable[[], Tensor]:
+    """``fn``, waiting for the GPU after each call so that wall time is the kernels' time."""
+    if not cuda:
+        return fn
+
+    def call() -> Tensor:
+        result = fn()
+        torch.cuda.synchronize()
+        return result
+
+    return call
+
+
 def profile_block(
     variant: str = "sigmoid",
     capacity: float = 0.125,
@@ -150,27 +169,37 @@ def profile_block(
     sort_by: str = "self_cpu_time_total",
     compare_dense: bool = True,
     shapes: bool = False,
+    device: str = "cpu",
     out=sys.stdout,
 ) -> dict[str, float]:
-    """Time (routed vs dense) and profile forward + backward of one block; print a report."""
+    """Time (routed vs dense) and profile forward + backward of one block; print a report.
+
+    On CUDA: bf16 autocast, eager (the profile shows every kernel, where a compiled block would
+    show fused ones), every timed call synchronised, ops sorted by their GPU time."""
     if threads:
         torch.set_num_threads(threads)
-    cfg = bench_config(max_seq_len=max(seq_len, 1))
-    layer = build_block(variant, capacity, cfg)
-    x, grad, cos, sin = block_inputs(cfg, batch, seq_len)
-    step = fwd_bwd(layer, x, grad, cos, sin)
+    cuda = device.startswith("cuda")
+    cfg = bench_config(max_seq_len=max(seq_len, 1), device=device)
+    layer = build_block(variant, capacity, cfg).to(device)
+    x, grad, cos, sin = block_inputs(cfg, batch, seq_len, device)
+    autocast = torch.bfloat16 if cuda else None
+    step = _synchronised(fwd_bwd(layer, x, grad, cos, sin, autocast=autocast), cuda)
     fl = layer.flops(seq_len)
+    if cuda and sort_by == "self_cpu_time_total":
+        sort_by = "self_device_time_total"
 
     print(
         f"{variant} C={capacity} T={seq_len} B={batch} d={cfg.width} heads={cfg.heads} "
-        f"k={fl.tokens_processed} fp32 threads={torch.get_num_threads()} torch {torch.__version__}",
+        f"k={fl.tokens_processed} {'bf16 autocast on ' + torch.cuda.get_device_name() if cuda else 'fp32'} "
+        f"threads={torch.get_num_threads()} torch {torch.__version__}",
         file=out,
     )
     summary: dict[str, float] = {}
     if compare_dense and variant != "dense":
-        dense = build_block("dense", 1.0, cfg)
+        dense = build_block("dense", 1.0, cfg).to(device)
         dfl = dense.flops(seq_len)
-        routed_t, dense_t = time_interleaved([step, fwd_bwd(dense, x, grad, cos, sin)], rounds)
+        dense_step = _synchronised(fwd_bwd(dense, x, grad, cos, sin, autocast=autocast), cuda)
+        routed_t, dense_t = time_interleaved([step, dense_step], rounds, warmup=3 if cuda else 1)
         t_routed, t_dense = min(routed_t), min(dense_t)
         ratio, flop_ratio = t_routed / t_dense, fl.total / dfl.total
         median_ratio = _median(routed_t) / _median(dense_t)
@@ -280,10 +309,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sort-by", default="self_cpu_time_total")
     p.add_argument("--no-dense", action="store_true", help="skip timing the dense reference")
     p.add_argument("--shapes", action="store_true", help="also list the top ops by (op, input shapes)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: d = 1024, bf16 autocast, ops sorted by GPU time")
     a = p.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available; accepted: cpu")
     profile_block(
         a.variant, a.capacity, a.seq_len, a.batch, threads=a.threads or None, rounds=a.rounds,
         steps=a.steps, top=a.top, sort_by=a.sort_by, compare_dense=not a.no_dense, shapes=a.shapes,
+        device=a.device,
     )
     return 0
 

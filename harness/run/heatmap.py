@@ -4,22 +4,25 @@ The figure is built with ``matplotlib.figure.Figure`` directly rather than throu
 ``pyplot``: no global figure registry to leak, no interactive backend to select, and it
 is safe to call from worker threads. The Agg backend is still selected when pyplot has
 not been imported yet, so any later pyplot use in the same headless process works.
+
+matplotlib is imported when a figure is drawn, not with the trainer: a machine that only trains
+(a GPU machine lent without matplotlib, see the Makefile's gpu-smoke) gets a warning at the end
+of a routed run instead of an import error at its start.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
+import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import matplotlib
 import numpy as np
 import torch
 
-if "matplotlib.pyplot" not in sys.modules:
-    matplotlib.use("Agg")
-
-from matplotlib.colors import ListedColormap  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 PROCESSED_COLOR = "#1f3b73"  # dark
 SKIPPED_COLOR = "#eef1f6"  # light
@@ -55,6 +58,13 @@ def routing_mask(selected: list[np.ndarray], seq_len: int) -> np.ndarray:
 
 def routing_heatmap_figure(selected: list[np.ndarray], seq_len: int, title: str = "") -> Figure:
     """The heatmap as a figure (for ``Tracker.log_figure``)."""
+    import matplotlib
+
+    if "matplotlib.pyplot" not in sys.modules:
+        matplotlib.use("Agg")
+    from matplotlib.colors import ListedColormap
+    from matplotlib.figure import Figure
+
     mask = routing_mask(selected, seq_len)
     n_layers = mask.shape[0]
     width = min(16.0, max(5.0, 3.0 + seq_len * 0.04))
@@ -101,6 +111,9 @@ def routing_heatmap(
 @torch.no_grad()
 def log_routing_heatmap(model, val_x: torch.Tensor, device, tracker, run_dir: Path, routed_ids: list[int]) -> None:
     if not model.routers:
+        return
+    if importlib.util.find_spec("matplotlib") is None:
+        warnings.warn("matplotlib is not installed: the run has no routing heatmap", stacklevel=2)
         return
     model.eval()
     model.set_collect_stats(True)

@@ -2,7 +2,8 @@
 
 Matrix: every routed variant × C ∈ {0.125, 0.25, 0.5, 1.0} × T ∈ {512, 2048}, plus the
 issue's bar point T = 1024 (B = 8) at C ∈ {0.125, 0.5}; one dense reference per T.
-d = 256 (4 heads of 64), fp32, 2 threads on CPU. Batch: B = 8 at T = 512 and 1024, B = 4 at
+d = 256 (4 heads of 64), fp32, 2 threads on CPU; on CUDA d = 1024 (8 heads of 128: a d = 256
+block is too small for a GPU's time to be its FLOPs), bf16 autocast, compiled. Batch: B = 8 at T = 512 and 1024, B = 4 at
 T = 2048 (8 192 tokens a batch, like the bar point T = 1024, B = 8; at B = 2 a C = 0.125 block
 multiplies only 512-row matrices, whose lower FLOP rate, not the routing, then dominates the
 time ratio), recorded in extra_info.
@@ -55,7 +56,7 @@ def test_block_fwd_bwd(variant, capacity, seq_len, repeat, device, run_bench):
     if repeat and run_bench.disabled:
         pytest.skip("a second dense reference is timed only when benchmarking")
     B, T = BATCH[seq_len], seq_len
-    cfg = bench_config(max_seq_len=MAX_SEQ_LEN)
+    cfg = bench_config(max_seq_len=MAX_SEQ_LEN, device=device)
     layer = build_block(variant, capacity, cfg).to(device)
     x, grad, cos, sin = block_inputs(cfg, B, T, device)
     with torch.device("meta"):

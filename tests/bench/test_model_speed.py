@@ -3,6 +3,8 @@
 GPT depth 4, d = 256 (4 heads of 64), the ``alternate`` pattern (D M D M: Raposo et al.
 2024 §3.4), every routed variant × C ∈ {0.125, 0.25, 0.5, 1.0} × T ∈ {512, 2048}; small
 batches (B = 4 at T = 512, B = 1 at T = 2048: 2 048 tokens a step) so the CI run stays short.
+On CUDA: d = 1024 (8 heads of 128) and 16 384 tokens a step (B = 32 at T = 512, 8 at T = 2048),
+bf16 autocast, compiled: a GPU step of 2 048 tokens at d = 256 times kernel launches.
 At C = 1.0 GPT builds plain blocks (no router), so those entries time the dense model again:
 their ratio to the dense entry is the measurement noise of the run.
 
@@ -26,6 +28,7 @@ from modbench.bench.profile_block import bench_config
 
 ROUTED = [v for v in variants.list_variants() if variants.build_router(v, 8).scope != "none"]
 BATCH = {512: 4, 2048: 1}
+CUDA_BATCH = {512: 32, 2048: 8}
 CAPACITIES = (0.125, 0.25, 0.5, 1.0)
 PATTERN = "alternate"
 DEPTH = 4
@@ -79,8 +82,8 @@ def test_model_train_step(variant, capacity, seq_len, repeat, device, run_bench)
         # Not worth a CI call: at C = 1.0 GPT builds exactly the dense model
         # (tests/test_routed_block.py checks that); these entries only time the noise.
         pytest.skip("a duplicate of the dense model, timed only when benchmarking")
-    B, T = BATCH[seq_len], seq_len
-    cfg = bench_config(max_seq_len=MAX_SEQ_LEN, depth=DEPTH)
+    B, T = (CUDA_BATCH if device == "cuda" else BATCH)[seq_len], seq_len
+    cfg = bench_config(max_seq_len=MAX_SEQ_LEN, depth=DEPTH, device=device)
     model = _model(cfg, RoutingConfig(variant, capacity=capacity, pattern=PATTERN), device)
     with torch.device("meta"):
         dense_ref = GPT(cfg)  # FLOPs only
