@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 BENCH  ?= cpu# results name: reports/bench/$(BENCH).json and .md (e.g. BENCH=h100 on a GPU)
 STAMP  := $(VENV)/.installed
 
-.PHONY: install quick demo test bench clean paper-claims gpu-bench gpu-bench-setup gpu-bench-report
+.PHONY: install quick demo test bench cpu-decode-bench clean paper-claims gpu-bench gpu-bench-setup gpu-bench-report
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,19 @@ bench: $(STAMP)
 	mkdir -p reports/bench
 	$(BIN)/python -m pytest tests/bench --benchmark-enable --benchmark-json=reports/bench/$(BENCH).json --benchmark-group-by=group -q
 	$(BIN)/python -m modbench.bench.table reports/bench/$(BENCH).json --markdown reports/bench/$(BENCH).md
+
+# The CPU decode table (reports/bench/cpu_decode.*): every variant at batch 1, 8 and 64, one batch
+# a pytest run (a run cut short loses only its batch), one thread (MODBENCH_BENCH_THREADS: on a
+# loaded 2-core machine a 2-thread region waits for its descheduled thread at every op).
+cpu-decode-bench: $(STAMP)
+	mkdir -p reports/bench
+	for B in 1 8 64; do \
+	  MODBENCH_BENCH_THREADS=1 $(BIN)/python -m pytest -q tests/bench/test_decode_speed.py -k "cpu and B$$B-" \
+	    --benchmark-enable --benchmark-json=reports/bench/cpu_decode-B$$B.json --benchmark-group-by=group || exit 1; \
+	done
+	$(BIN)/python -m modbench.bench.table reports/bench/cpu_decode-B1.json reports/bench/cpu_decode-B8.json \
+	  reports/bench/cpu_decode-B64.json --write-json reports/bench/cpu_decode.json --markdown reports/bench/cpu_decode.md
+	rm -f reports/bench/cpu_decode-B*.json
 
 # The GPU measurements (bf16, torch.compile, synchronised timing) on a machine with CUDA and no
 # network: its own python3 (GPU_PYTHON) holds a CUDA torch, pytest, pytest-benchmark, pandas,

@@ -4,18 +4,27 @@
 #   OUT=/some/folder bash tools/gpu_session.sh
 #
 # Parts run one after another (never two on the GPU at once), in the order of what they decide:
-# the decode bar, dense MFU, the routed block and model bars (T = 2048, C = 0.125), a CUDA
+# the routed model and block bars (T = 2048, C = 0.125), the decode bar, dense MFU, a CUDA
 # smoke of `modbench train`, a torch.profiler table of the routed block, then the CUDA-only
 # correctness tests of tests/bench. Each part has its own time cap (SIGINT, so pytest still
-# writes its JSON) and a part starts only while the session's deadline allows; every result is
-# copied to $OUT as soon as its part ends, so a cut-short session keeps what finished.
+# writes its JSON) and a part starts only while the session's deadline allows. The device tool
+# brings back at most a handful of files, and a later command's copy of the working tree removes
+# the untracked results of an earlier one, so everything (logs, this session's JSONs and tables)
+# goes into ONE archive, $OUT/gpu-session.tar.gz, rewritten as soon as each part ends: a
+# cut-short session keeps what finished. Unpack it in the repository root.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to the folder results go to}
 DEADLINE_S=${DEADLINE_S:-570}  # the command's own limit is 600 s
 start=$(date +%s)
-mkdir -p "$OUT/reports/bench"
-log() { echo "[$(( $(date +%s) - start ))s] $*" | tee -a "$OUT/session.log"; }
+LOGS=build/gpu-session  # ignored (build/), bundled into the archive
+rm -rf "$LOGS" && mkdir -p "$LOGS" reports/bench
+touch "$LOGS/.start"
+log() { echo "[$(( $(date +%s) - start ))s] $*" | tee -a "$LOGS/session.log"; }
+# The archive: the logs and every reports/bench file this session wrote (not the committed ones).
+bundle() {
+  { echo "$LOGS"; find reports/bench -type f -newer "$LOGS/.start"; } | tar czf "$OUT/gpu-session.tar.gz" -T -
+}
 left() { echo $(( DEADLINE_S - ($(date +%s) - start) )); }
 
 # part NAME CAP COMMAND...: run COMMAND capped at min(CAP, time left), log its exit and time.
@@ -26,10 +35,10 @@ part() {
   (( cap > budget )) && cap=$budget
   log "$name: start (cap ${cap}s)"
   local t0; t0=$(date +%s)
-  timeout -s INT -k 15 "$cap" "$@" > "$OUT/$name.log" 2>&1
+  timeout -s INT -k 15 "$cap" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
-  log "$name: rc=$rc in $(( $(date +%s) - t0 ))s; $(tail -n 1 "$OUT/$name.log")"
-  cp reports/bench/*.json reports/bench/*.md "$OUT/reports/bench/" 2>/dev/null || true
+  log "$name: rc=$rc in $(( $(date +%s) - t0 ))s; $(tail -n 1 "$LOGS/$name.log")"
+  bundle
 }
 
 {
@@ -37,18 +46,19 @@ part() {
   python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
   python3 -m pip list 2>/dev/null | grep -iE "^(torch|triton|pytest|pytest-benchmark|pandas|scipy|numpy|tabulate|rich|matplotlib|mlflow|optuna|tqdm) "
   nproc; free -g | head -2
-} > "$OUT/environment.txt" 2>&1
-log "environment: $(head -n 2 "$OUT/environment.txt" | tail -n 1)"
+} > "$LOGS/environment.txt" 2>&1
+log "environment: $(head -n 2 "$LOGS/environment.txt" | tail -n 1)"
 
 part setup     60 make --no-print-directory gpu-bench-setup
+part model     90 make --no-print-directory gpu-bench-model GPU_K_model="cuda and T2048 and (dense or sigmoid-C0.125)"
+part block     80 make --no-print-directory gpu-bench-block GPU_K_block="cuda and T2048 and (dense or sigmoid-C0.125)"
 part decode   100 make --no-print-directory gpu-bench-decode GPU_K_decode="cuda and (B1- or B64-) and not alternate"
 part mfu      130 make --no-print-directory gpu-bench-mfu GPU_K_mfu="cuda and T2048"
-part block     80 make --no-print-directory gpu-bench-block GPU_K_block="cuda and T2048 and (dense or sigmoid-C0.125)"
-part model     90 make --no-print-directory gpu-bench-model GPU_K_model="cuda and T2048 and (dense or sigmoid-C0.125)"
 part report    20 make --no-print-directory gpu-bench-report
 part smoke     50 make --no-print-directory gpu-smoke GPU_SMOKE_STEPS=20
 part profile   40 env PYTHONPATH="$PWD/build/gpu-pkg" python3 -m modbench.bench.profile_block --device cuda \
-                    --variant sigmoid --capacity 0.125 --seq-len 2048 --batch 4 --rounds 10 --steps 3 --top 30
+                    --variant sigmoid --capacity 0.125 --seq-len 2048 --batch 32 --rounds 10 --steps 3 --top 30
 part tests    600 env PYTHONPATH="$PWD/build/gpu-pkg" python3 -m pytest -p no:cacheprovider -q tests/bench \
-                    -k "sync_on_cuda or (decode_tokens and cuda and B8-)"
+                    -k "sync_on_cuda or sync_once or (decode_tokens and cuda and B8-)"
 log "done"
+bundle

@@ -307,7 +307,49 @@ def header(data: dict[str, Any], path: str, stat: str) -> str:
         f"python {m.get('python_version', '?')}, torch {info.get('torch', '?')}, "
         f"threads {info.get('threads', '?')}; statistic: {stat} over rounds"
     )
-    return f"{text} ({data['note']})" if data.get("note") else text
+    measured = conditions(data)
+    return f"{text}; {measured}" if measured else text
+
+
+def _span(values: list[float], fmt: str) -> str:
+    lo, hi = min(values), max(values)
+    return format(lo, fmt) if format(lo, fmt) == format(hi, fmt) else f"{format(lo, fmt)}–{format(hi, fmt)}"
+
+
+def conditions(data: dict[str, Any]) -> str:
+    """The conditions the entries ran under, read off their ``extra_info`` (nothing typed by hand):
+    logical CPUs, the thread counts set, the load average and other processes' CPU share after and
+    during the rounds, paired rounds per entry, the decode shape and the roofline's measured machine."""
+    infos = [b.get("extra_info", {}) for b in data.get("benchmarks", []) if b.get("extra_info", {}).get("kind")]
+    if not infos:
+        return ""
+    parts = []
+    cpus = (data.get("machine_info", {}).get("cpu", {}) or {}).get("count")
+    if cpus:
+        parts.append(f"{cpus} logical CPUs")
+    threads = sorted({i["threads"] for i in infos if i.get("threads")})
+    if threads:
+        parts.append(f"torch threads {'/'.join(map(str, threads))}")
+    loads = [i["loadavg"] for i in infos if isinstance(i.get("loadavg"), (int, float))]
+    if loads:
+        parts.append(f"load average {_span(loads, '.1f')} after the entries' rounds")
+    foreign = [i["foreign_cpu"] for i in infos if isinstance(i.get("foreign_cpu"), (int, float))]
+    if foreign:
+        parts.append(f"other processes used {_span(foreign, '.0%')} of the CPU during them")
+    rounds = [i["paired_rounds"] for i in infos if isinstance(i.get("paired_rounds"), int)]
+    if rounds:
+        parts.append(f"{_span(rounds, 'd')} paired rounds per routed entry")
+    decode = [i for i in infos if i.get("kind") == "decode"]
+    if decode:
+        shapes = sorted({(i.get("d_model"), i.get("depth"), i.get("prompt"), i.get("new_tokens"), i.get("dtype"))
+                         for i in decode}, key=str)
+        parts.append("decode " + ", ".join(f"d={d}, depth {L}, prompt {P} + {N} new tokens, {dt}"
+                                           for d, L, P, N, dt in shapes))
+        machine = next((i for i in decode if i.get("peak_flops") and i.get("bandwidth")), None)
+        if machine:
+            parts.append(f"roofline machine measured: peak {machine['peak_flops'] / 1e9:.1f} GFLOP/s, "
+                         f"bandwidth {machine['bandwidth'] / 1e9:.1f} GB/s")
+    return "run conditions: " + "; ".join(parts)
 
 
 def print_rich(df: pd.DataFrame, title: str) -> None:

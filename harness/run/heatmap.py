@@ -6,8 +6,8 @@ is safe to call from worker threads. The Agg backend is still selected when pypl
 not been imported yet, so any later pyplot use in the same headless process works.
 
 matplotlib is imported when a figure is drawn, not with the trainer: a machine that only trains
-(a GPU machine lent without matplotlib, see the Makefile's gpu-smoke) gets a warning at the end
-of a routed run instead of an import error at its start.
+(a GPU machine with a bare torch stack, see the Makefile's gpu-smoke) gets a warning at the end of
+a routed run instead of an import error at its start.
 """
 
 from __future__ import annotations

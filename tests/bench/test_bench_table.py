@@ -233,3 +233,21 @@ def test_committed_cpu_decode_table_has_every_variant_at_every_batch():
             assert len(row) == 1, (v, batch)
             r = row.iloc[0]
             assert r.roofline > 1 and 0 < r.realised and r.tok_s > 0 and 0 < r.share < 0.5, (v, batch)
+
+
+def test_header_states_the_run_conditions_from_the_entries_not_from_typed_notes():
+    """The conditions line is computed from extra_info (load, other processes, threads, rounds, the
+    decode shape and the roofline machine); a hand-typed ``note`` in the JSON is not printed."""
+    def entry(load, foreign, rounds):
+        return dict(name="d", extra_info=dict(kind="decode", variant="sigmoid", threads=1, loadavg=load,
+                                              foreign_cpu=foreign, paired_rounds=rounds, d_model=512, depth=8,
+                                              prompt=32, new_tokens=32, dtype="fp32", peak_flops=9.85e10,
+                                              bandwidth=2.47e10, torch="2.13.0"),
+                    stats=dict(min=1.0, median=1.0, mean=1.0, rounds=rounds))
+    data = {"machine_info": {"cpu": {"count": 2, "brand_raw": "AMD EPYC"}}, "note": "typed by hand",
+            "benchmarks": [entry(4.3, 0.55, 3), entry(5.2, 0.59, 5)]}
+    text = bench_table.header(data, "x.json", "min")
+    assert "typed by hand" not in text
+    for part in ("2 logical CPUs", "torch threads 1", "load average 4.3–5.2", "55%–59% of the CPU", "3–5 paired rounds",
+                 "d=512, depth 8, prompt 32 + 32 new tokens, fp32", "peak 98.5 GFLOP/s", "bandwidth 24.7 GB/s"):
+        assert part in text, part

@@ -136,8 +136,16 @@ def test_dense_train_step_mfu(d_model, seq_len, device, run_bench, benchmark):
     flops_noncausal = model.flop_report(T, causal=False).total * B
     peak = peak_flops(torch.device(device))  # None on a GPU the table does not know: no MFU then
     before = model.head.weight.detach().clone()
+    first: list[torch.Tensor] = []
+
+    def recorded_step() -> torch.Tensor:  # the untrained model's loss is the first call's
+        loss = step()
+        if not first:
+            first.append(loss)
+        return loss
+
     loss = run_bench(
-        step, kind="mfu", seq_len=T, device=device, budget_s=BUDGET_S,
+        recorded_step, kind="mfu", seq_len=T, device=device, budget_s=BUDGET_S,
         extra_info=dict(
             variant="dense", capacity=1.0, batch=B, depth=DEPTH, d_model=d_model, head_dim=HEAD_DIM, tokens=B * T,
             params=model.num_params(), analytic_flops=flops, analytic_flops_noncausal=flops_noncausal,
@@ -146,7 +154,8 @@ def test_dense_train_step_mfu(d_model, seq_len, device, run_bench, benchmark):
             optimizer="AdamW (fused=False) + grad clip 1.0", dtype="bf16-autocast", compiled=True,
         ),
     )
-    _check_step(model, loss, before)
+    _check_step(model, first[0], before)
+    assert torch.isfinite(loss)  # the last benchmark round's (repeated steps on one batch lower it)
     if not run_bench.disabled and peak:
         t = benchmark.stats.stats.min
         benchmark.extra_info.update(

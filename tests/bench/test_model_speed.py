@@ -97,8 +97,15 @@ def test_model_train_step(variant, capacity, seq_len, repeat, device, run_bench)
         return _train_step(_model(cfg, RoutingConfig("dense", capacity=1.0), device), idx, targets, device)
 
     before = model.head.weight.detach().clone()
-    loss = run_bench(
-        step, kind="model", seq_len=T, device=device,
+    losses: list[torch.Tensor] = []
+
+    def recorded_step() -> torch.Tensor:  # benchmarking repeats the step on one batch: keep the first loss
+        loss = step()
+        losses.append(loss)
+        return loss
+
+    run_bench(
+        recorded_step, kind="model", seq_len=T, device=device,
         budget_s=BUDGET_S[device], reference=None if variant == "dense" else dense_reference,
         min_rounds=MIN_ROUNDS,
         extra_info=dict(
@@ -113,8 +120,11 @@ def test_model_train_step(variant, capacity, seq_len, repeat, device, run_bench)
         ),
     )
 
-    # The correctness half.
-    assert torch.isfinite(loss) and 4.0 < loss.item() < 7.0  # ≈ ln 256 = 5.55 at init
+    # The correctness half. The first step's loss is the untrained model's (≈ ln 256 = 5.55); a
+    # benchmark's later rounds repeat the step on the same batch, which a d = 1024 model memorises
+    # (measured on an H200: 0.22 after ~100 rounds), so those only have to stay finite.
+    assert 4.0 < losses[0].item() < 7.0
+    assert all(torch.isfinite(loss) for loss in losses)
     no_grad = [n for n, p in model.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()]
     assert no_grad == [], f"parameters without a finite gradient: {no_grad}"
     assert not torch.equal(model.head.weight.detach(), before), "the optimizer step changed nothing"
