@@ -278,6 +278,8 @@ def test_claims_report_end_to_end(tmp_cwd):
     text = (out / "report.md").read_text()
     body = text.split("\n", 6)[-1]
     assert body.lstrip("\n> *").startswith(("Under-trained", "Every arm beats"))  # the regime comes first
+    # No [tune] table: the opening says the arms are not compared best against best.
+    assert "Not tuned: the arms are not compared best against best" in text.split("## Claims")[0]
     for heading in ("## Claims", "## Arms (deployable metric first)", "## Sanity baselines", "## Effects",
                     "## The causal rule against top-k", "## isoFLOP profiles", "## Learning curves"):
         assert heading in text, heading

@@ -225,6 +225,26 @@ def test_each_size_is_taken_at_its_best_lr_on_the_tuning_seed_and_bracketing_is_
     assert set(zip(best_rows["params"], best_rows["lr_mult"])) == {(1e4, 2.0), (1e5, 4.0)}
 
 
+def test_the_best_dense_model_is_chosen_on_the_tuning_seed_at_the_studys_budget_only():
+    """As the study chose C1's reference: every size on the tuning seed. A size confirmed on five
+    seeds (mean 2.245, 2.215 on seed 0) beats a size run on seed 0 only (2.217); comparing the
+    first's five-seed mean with the second's one seed named the wrong best model (the paper_claims
+    report of 2026-11-26 did). A positive control at another budget and the same size stays out."""
+    import pandas as pd
+
+    from modbench.report.isoflop import dense_reference
+
+    rows = [dict(family="dense", budget=7e12, params=3.3e5, arm="L3 d96", lr_mult=2.0, seed=s, loss=v)
+            for s, v in enumerate((2.215, 2.237, 2.271, 2.249, 2.253))]
+    rows += [dict(family="dense", budget=7e12, params=2.3e5, arm="L3 d80", lr_mult=4.0, seed=0, loss=2.217)]
+    rows += [dict(family="dense", budget=5.75e12, params=3.3e5, arm="control", lr_mult=2.0, seed=s, loss=2.34)
+             for s in range(4)]
+    dense, compared, best = dense_reference(pd.DataFrame(rows), 7e12, tuning_seed=0)
+    assert best == "L3 d96"
+    assert set(compared["seed"]) == {0} and set(dense["budget"]) == {7e12} and "control" not in set(dense["arm"])
+    assert dense_reference(pd.DataFrame(rows), 7e12, tuning_seed=None)[2] == "L3 d80"  # untuned: seed means
+
+
 # --- the report's first lines --------------------------------------------------------------------
 def test_one_plain_sentence_per_claim_names_both_arms_and_the_margin():
     from dataclasses import dataclass

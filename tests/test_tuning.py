@@ -378,6 +378,21 @@ def test_two_workers_run_a_tuned_study_through_its_stages(tmp_path):
     parents = [r for r in runs if r.data.tags.get("modbench.role") == "study"]
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
 
+    # And the report a user then writes reads every stage: the tuning table with both families, the
+    # claims on the confirmation seeds, the positive control, the protocol's sections.
+    report = subprocess.run([sys.executable, "-m", "modbench.cli.main", "report", str(path), "--quiet"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert "Traceback" not in report.stderr
+    text = (tmp_path / "reports" / name / "report.md").read_text()
+    assert "Not tuned" not in text
+    for section in ("## Learning-rate tuning", "## Claims", "## Effects", "## Environment", "## Reproduce"):
+        assert section in text, section
+    tuning_section = text.split("## Learning-rate tuning", 1)[1].split("\n## ", 1)[0]
+    assert "dense" in tuning_section and "sigmoid" in tuning_section
+    summary = json.loads((tmp_path / "reports" / name / "summary.json").read_text())
+    assert summary["claims"], "the report's summary carries the claims"
+
 
 def test_extra_seeds_with_the_statistics_modules_rule(tmp_path):
     """The default rule is the report's paired-t half-width rule: the smallest n ≥ 2 with

@@ -38,7 +38,7 @@ from modbench.report.baselines import WINDOW_ORDER, Baselines, fit_ngrams, sanit
 from modbench.report.claims import HEADLINE, SELECT, arm_summary, test_claims
 from modbench.report.collect import ReportData, row_arm
 from modbench.report.effects import compare_effects
-from modbench.report.isoflop import MIN_SIZES, best_lr_points, profiles
+from modbench.report.isoflop import MIN_SIZES, best_lr_points, dense_reference, profiles
 
 SUMMARY_VERSION = 2
 TOPK = "test/bpb"  # the training-time (top-k) rule on the same test windows
@@ -424,35 +424,47 @@ def isoflop_lines(data: ReportData, dest: Path, effects: pd.DataFrame) -> tuple[
     points = profile_points(data)
     tuning_seed = data.study.tune.seed if getattr(getattr(data.study, "tune", None), "lr_mult", ()) else None
     best, sizes = best_lr_points(points, tuning_seed)
-    dense_sizes = sizes[sizes["family"] == "dense"]
+    # The dense profile is the study's own budget: another budget (the positive control's) is another
+    # profile, never averaged into a size of this one.
+    budget = float(str(data.study.base.train.budget).split("=")[1])
+    dense_sizes = sizes[(sizes["family"] == "dense") & (sizes["budget"] == budget)]
     if dense_sizes.empty:
         return [], {}
+    dense_best, compared, best_dense = dense_reference(best, budget, tuning_seed)
+    on = f"on the tuning seed {tuning_seed}" if compared is not dense_best else "mean over each size's seeds"
     fitted = best[best.groupby(["family", "budget"])["params"].transform("nunique") >= MIN_SIZES]
+    if tuning_seed is not None and (fitted["seed"] == tuning_seed).any():
+        fitted = fitted[fitted["seed"] == tuning_seed]
     fits, versus = profiles(fitted) if len(fitted) else (pd.DataFrame(), pd.DataFrame())
-    best_dense = str(best[best["family"] == "dense"].groupby("arm")["loss"].mean().idxmin())
-    record = {"reference": reference_name(dense_sizes), "reference_arm": best_dense,
+    record = {"reference": reference_name(dense_sizes), "reference_arm": best_dense, "chosen": on,
               "sizes": dense_sizes.to_dict(orient="records"), "fits": fits.to_dict(orient="records") if len(fits) else []}
     c1 = c1_reference(effects, data.done) if len(effects) and (effects.get("claim") == MOD_VS_DENSE).any() else None
-    changes = (best[best["family"] == "dense"].groupby("params")
+    changes = (dense_best.groupby("params")
                .agg(depth=("depth", "first"), width=("width", "first"), lr_mult=("lr_mult", "first"),
                     peak_lr=("peak LR", "first"), weight_decay=("weight decay", "first"), steps=("steps", "mean"),
-                    val_causal_bpb=("loss", "mean"), seeds=("seed", "nunique")).reset_index())
+                    val_mean=("loss", "mean"), seeds=("seed", "nunique")).reset_index())
+    changes.insert(changes.columns.get_loc("val_mean"), "val_compared",
+                   changes["params"].map(compared.groupby("params")["loss"].mean()))
     changes = changes.merge(dense_sizes[["params", "lr grid", "bracketed"]], on="params")
     changes["bracketed"] = changes["bracketed"].map({True: "yes", False: "**no**"})
+    agrees = c1 is None or c1 == best_dense
     out = ["## isoFLOP profiles", "",
-           f"The best dense model is **{best_dense}**, the {record['reference']} (lowest validation causal bpb), "
-           "not a fitted optimum" + (f"; C1 compares against {c1}." if c1 else "; no C1 comparison was made.")
+           f"The best dense model is **{best_dense}**, the {record['reference']} (lowest validation causal bpb "
+           f"{on}), not a fitted optimum"
+           + (f"; C1 compares against {c1}." if c1 and agrees else
+              f"; **C1 compares against {c1}, which is not it**." if c1 else "; no C1 comparison was made.")
            + " Each size below is at its own best LR multiplier (chosen on the tuning seed where every multiplier "
-           "ran it).", "",
+           f"ran it), at the study's budget ({budget:.3g} FLOPs).", "",
            _table(changes.rename(columns={"lr_mult": "best lr_mult", "peak_lr": "peak LR", "weight_decay": "weight decay",
-                                          "val_causal_bpb": "val causal bpb"})), "",
+                                          "val_compared": f"val causal bpb ({'tuning seed' if compared is not dense_best else 'mean'})",
+                                          "val_mean": "val causal bpb (mean over seeds)"})), "",
            "Size is not the only thing that changes along this profile: the weight decay scales as 1/depth² and the "
            "base learning rate as width^−0.5 (nanochat's rules, `train.scale_hparams`, study-wide), and a fixed FLOP "
            "budget buys fewer steps for a larger model. The LR multiplier is tuned per size on top of these rules; "
            "weight decay and the schedule are not. The profile is the optimum under these rules.", ""]
     mod = _mod_points(points, effects)
     others = points.merge(best[["arm", "seed"]], on=["arm", "seed"], how="left", indicator=True)
-    others = others[(others["_merge"] == "left_only") & (others["family"] == "dense")]
+    others = others[(others["_merge"] == "left_only") & (others["family"] == "dense") & (others["budget"] == budget)]
     dense_fit = fits[fits["family"] == "dense"] if len(fits) else fits
     if len(dense_fit):
         fits.to_csv(dest / "isoflop_fits.csv", index=False)
@@ -460,7 +472,7 @@ def isoflop_lines(data: ReportData, dest: Path, effects: pd.DataFrame) -> tuple[
     else:
         out += [f"No fit: the dense sweep has {len(dense_sizes)} size{'s' if len(dense_sizes) != 1 else ''}; "
                 f"a parabola needs {MIN_SIZES} and a CI needs {MIN_SIZES + 1} (residual df ≥ 1).", ""]
-    figures.isoflop_profile(best[best["family"] == "dense"], dense_fit, dest / "isoflop.png", others=others, mod=mod)
+    figures.isoflop_profile(dense_best, dense_fit, dest / "isoflop.png", others=others, mod=mod)
     return out + ["![isoFLOP profile](isoflop.png)", ""], record
 
 
@@ -473,7 +485,8 @@ def _fit_lines(fits: pd.DataFrame, versus: pd.DataFrame) -> list[str]:
         "nearest trained size": fits["nearest_trained"],
         "trained?": ["yes" if np.isfinite(o) and abs(np.log(o / n)) < np.log(1.1) else "no" if np.isfinite(o) else "n/a"
                      for o, n in zip(fits.opt_params, fits.nearest_trained)]})
-    out = ["Quadratic fit of validation causal bpb in log10(non-embedding parameters) over the seed means of the sizes "
+    out = ["Quadratic fit of validation causal bpb in log10(non-embedding parameters) over the sizes (on the tuning "
+           "seed in a tuned study, the one seed every size ran; else each size's seed mean) "
            "(Hoffmann et al. 2022, approach 2), residual df = sizes − 3. The CIs come from the fit's residuals "
            "(s² = RSS/df, delta method, Student t at the residual df), not from resampling seeds; a fit through "
            "exactly three sizes has no residual df and no CI, and is flagged. 'trained?': whether a trained size lies "
@@ -520,6 +533,18 @@ def curve_lines(data: ReportData, dest: Path, reference: str | None) -> list[str
             "![curves vs FLOPs](curves_flops.png)", "", "![curves vs tokens](curves_tokens.png)", ""]
 
 
+def protocol_lines(study, done: pd.DataFrame) -> list[str]:
+    """A study without a [tune] table compares every arm at the learning rates it declares: say so
+    before any claim, with the multipliers that ran, since a gap may then be a learning-rate effect."""
+    if study.tune.lr_mult:
+        return []
+    mults = sorted({float(v) for v in pd.to_numeric(done.get("lr_mult", pd.Series(dtype=float)), errors="coerce").dropna()})
+    ran = f" (lr × {', '.join(f'{m:g}' for m in mults)})" if mults else ""
+    return ["> **Not tuned: the arms are not compared best against best.** This study declares its learning "
+            f"rates{ran} instead of tuning each arm's (no [tune] table), so a difference between two arms "
+            "may be a learning-rate effect, and an arm may sit at the edge of its grid.", ""]
+
+
 def claims_sections(data: ReportData, dest: Path, tuning: TuningTable | None = None) -> list[str]:
     """The report's opening: the regime, one sentence per claim, degenerate arms, the study's
     compute; then claims, tuning, arms, baselines, effects, top-k beside causal, decode cost,
@@ -537,7 +562,7 @@ def claims_sections(data: ReportData, dest: Path, tuning: TuningTable | None = N
     compared = claims_module.confirmation_rows(done, data.study, confirmed)  # what the effects were computed on
     degenerate, flagged = degenerate_lines(compared, data.study)
     compute = compute_summary(data.trials)
-    lines = regime_lines(arms, base)
+    lines = regime_lines(arms, base) + protocol_lines(data.study, done)
     lines += [f"- {claim_sentence(c, effects)}" for c in claims] + ([""] if claims else [])
     control = claims_module.positive_control_line(claims)
     lines += ([control, ""] if control else []) + degenerate + [compute_line(compute), ""]

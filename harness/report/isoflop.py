@@ -75,6 +75,20 @@ def best_lr_points(points: pd.DataFrame, tuning_seed: int | None = None) -> tupl
     return (pd.concat(keep, ignore_index=True) if keep else points.iloc[:0]), pd.DataFrame(table, columns=columns)
 
 
+def dense_reference(best: pd.DataFrame, budget: float, tuning_seed: int | None) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+    """The dense profile at ``budget`` and its best model: (the dense rows at each size's best LR at
+    that budget, the rows the sizes are compared on, the best arm).
+
+    Another budget (a positive control's) is another profile and never enters this one. The sizes
+    are compared on the same data: the tuning seed, which every size and multiplier ran and on which
+    a tuned study chose C1's reference; a size's mean over more seeds is not comparable with
+    another's single seed. Without a tuning seed (or rows on it), each size's mean over its seeds."""
+    dense = best[(best["family"] == "dense") & (best["budget"] == budget)]
+    compared = dense[dense["seed"] == tuning_seed] if tuning_seed is not None else dense
+    compared = compared if len(compared) else dense
+    return dense, compared, str(compared.groupby("arm")["loss"].mean().idxmin()) if len(compared) else ""
+
+
 def _best_multiplier(g: pd.DataFrame, tuning_seed: int | None) -> float:
     """Chosen on the seed every multiplier ran (the tuning seed when given), so each multiplier
     is judged on the same data; the mean over seeds when no seed is common to all."""
