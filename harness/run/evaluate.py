@@ -12,6 +12,11 @@ by ``decide_causal``: what decoding computes) and ``dense`` (MoD switched off) �
 ``causal_bpb``, ``dense_bpb`` and the gaps ``causal_gap`` = causal − topk and
 ``dense_gap`` = dense − topk, plus the causal predictor's agreement with top-k, the
 realised causal fraction and the top-k leak rate (``modbench.run.causal_eval.causal_metrics``).
+
+``evaluate_causal`` (the periodic evaluations during training) scores the causal mode alone:
+``causal_bpb``, ``causal_fraction`` and ``causal_gap``, summed on the same windows exactly as the
+final evaluation sums them, without the dense pass and the agreement and leak probes (reported
+once per run). The caller calibrates the causal rules first (``modbench.run.train``).
 """
 
 from __future__ import annotations
@@ -83,3 +88,40 @@ def _evaluate(model, x, y, batch_size, device, autocast, hard_labels) -> dict[st
             result[f"hard_precision_L{layer}"] = precision[layer].item()
             result[f"hard_recall_L{layer}"] = recall[layer].item()
     return result
+
+
+@torch.no_grad()
+def evaluate_causal(
+    model: GPT,
+    x: Tensor,
+    y: Tensor,
+    *,
+    batch_size: int,
+    device: torch.device,
+    topk_bpb: float,
+    autocast: torch.autocast | None = None,
+) -> dict[str, float]:
+    """Causal-mode bpb, realised fraction and gap to ``topk_bpb`` (the same windows' top-k bpb).
+
+    A model with no routed layer is the same model in every mode: its top-k value is the causal
+    one, not measured again.
+    """
+    if not model.routers:
+        return {"causal_bpb": topk_bpb, "causal_fraction": 1.0, "causal_gap": 0.0}
+    was_training = model.training
+    model.eval()  # a training-mode forward would move the routers' calibration
+    model.set_collect_stats(True)
+    loss_sum, count, processed, total = 0.0, 0, 0, 0
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for xb, _, out in windowed_forward(model, x, y, batch_size, device, autocast, routing_mode="causal"):
+                loss_sum += out.loss.float().item() * xb.numel()
+                count += xb.numel()
+                for s in out.stats:
+                    processed += int(s["decide"].sum())
+                    total += s["decide"].numel()
+    finally:
+        model.set_collect_stats(False)
+        model.train(was_training)
+    causal = loss_sum / count / math.log(2)  # as causal_metrics: one series with the final value
+    return {"causal_bpb": causal, "causal_fraction": processed / total if total else 1.0, "causal_gap": causal - topk_bpb}

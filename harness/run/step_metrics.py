@@ -64,6 +64,12 @@ def _loss_metrics(run: Any, w: Window) -> dict[str, float]:
             "train/grad_norm": w.grad_norm, **{f"train/aux/{k}": v for k, v in w.aux.items()}}
 
 
+def cumulative_flops(run: Any) -> float:
+    """Training FLOPs spent in the run's steps so far, each step at its own capacity (a capacity
+    warm-up makes early steps dearer): the one count behind every ``perf/cum_flops``."""
+    return run.model.training_flops_per_token(run.cfg.train.seq_len, run.step) * run.tokens_per_step
+
+
 @step_metric
 def _perf_metrics(run: Any, w: Window) -> dict[str, float]:
     tok_s = w.steps * run.tokens_per_step / max(w.seconds, 1e-9)
@@ -71,7 +77,7 @@ def _perf_metrics(run: Any, w: Window) -> dict[str, float]:
         "perf/tokens_per_s": tok_s,
         "perf/step_time_s": w.seconds / w.steps,
         "perf/flops_per_token": run.flops_per_token,
-        "perf/cum_flops": run.step * run.tokens_per_step * run.flops_per_token,
+        "perf/cum_flops": cumulative_flops(run),
         "perf/cum_tokens": run.step * run.tokens_per_step,
         "perf/peak_mem_mb": peak_memory_mb(run.device),
     }
@@ -81,23 +87,32 @@ def _perf_metrics(run: Any, w: Window) -> dict[str, float]:
     return metrics
 
 
+# Route statistics logged per routed layer (route/L{i}/{key}): measured on each rank's slice, so
+# averaged over ranks; and the per-step state a router's training forward reads, equal on every rank
+# (modbench.run.distributed.sync_step_statistics), logged when the router has it: a budget
+# controller's bias (``controller_bias``, variants.base.BudgetController) and expert_threshold's
+# threshold (``threshold``).
+ROUTE_KEYS = ("fraction", "mean_position", "score_entropy")
+ROUTE_STATE_KEYS = ("controller_bias", "threshold")
+
+
 @step_metric
 def _route_metrics(run: Any, w: Window) -> dict[str, float]:
     return {f"route/L{layer_id}/{key}": s[key].item()
             for layer_id, s in zip(run.routed_ids, w.route_stats)
-            for key in ("fraction", "mean_position", "score_entropy")}
+            for key in (*ROUTE_KEYS, *ROUTE_STATE_KEYS) if key in s}
 
 
 def mean_logged(lm_acc: torch.Tensor, aux_acc: dict[str, torch.Tensor], stats: list[dict[str, torch.Tensor]]):
     """The logged training scalars averaged over ranks: every rank saw an equal slice, so the
-    mean of the slice means is the global-batch mean. One all-reduce for all of them."""
+    mean of the slice means is the global-batch mean. One all-reduce for all of them. The routers'
+    per-step state (``ROUTE_STATE_KEYS``) is equal on every rank and passes through unaveraged."""
     if not distributed.is_distributed():
         return lm_acc, aux_acc, stats
-    keys = ("fraction", "mean_position", "score_entropy")
     parts = [lm_acc.reshape(1), *(v.reshape(1) for v in aux_acc.values()),
-             *(s[k].reshape(1).to(lm_acc) for s in stats for k in keys)]
+             *(s[k].reshape(1).to(lm_acc) for s in stats for k in ROUTE_KEYS)]
     mean = distributed.mean_over_ranks(torch.cat([p.float() for p in parts])).unbind()
     lm, rest = mean[0], list(mean[1:])
     aux = {k: rest.pop(0) for k in aux_acc}
-    stats = [{k: rest.pop(0) for k in keys} for _ in stats]
+    stats = [{**{k: rest.pop(0) for k in ROUTE_KEYS}, **{k: s[k] for k in ROUTE_STATE_KEYS if k in s}} for s in stats]
     return lm, aux, stats

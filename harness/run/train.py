@@ -19,8 +19,8 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,13 +30,13 @@ import torch
 from modbench import interrupts
 from modbench.run import distributed, step_metrics
 from modbench.run.heatmap import log_routing_heatmap
-from modbench.run.step_metrics import Window, mean_logged
+from modbench.run.step_metrics import Window, cumulative_flops, mean_logged
 from modbench.config.budget import Budget
 from modbench.track.checkpoint import check_writable, load_checkpoint, save_checkpoint
 from modbench.config.model import lr_scale, wd_scale
 from modbench.data import Corpus, dataset_origin, eval_windows, eval_windows_with_labels, get_batch, load_corpus
 from modbench.errors import ModbenchError
-from modbench.run.evaluate import evaluate
+from modbench.run.evaluate import evaluate, evaluate_causal
 from modbench.run.causal_eval import calibrate_causal_rules
 from modbench.model.gpt import GPT, RoutedBlock
 from modbench.config.patterns import pattern_string
@@ -46,7 +46,13 @@ from modbench.track.records import CHECKPOINT_ARTIFACT_DIR, CHECKPOINT_TAG
 from modbench.track.tracking import RunTracker
 
 CALIBRATION_BATCHES = 8  # training batches of the final causal-rule calibration (forward only)
+# A periodic evaluation calibrates on the first batches of the same stream: a quarter of the
+# forwards, so the causal metric at every evaluation costs about 1 % of a quick trial, not 4 %.
+PERIODIC_CALIBRATION_BATCHES = 2
 CALIBRATION_SEED_OFFSET = 7919  # its own data stream: training's data order is untouched
+# Every periodic evaluation also scores the decode-time causal rule (val/causal_bpb, the deployable
+# number), so its curve can be compared across arms, not only its final point.
+PERIODIC_CAUSAL = True
 
 
 class TrainingDiverged(ModbenchError):
@@ -259,11 +265,6 @@ def _budget_steps(model: GPT, budget: Budget, seq_len: int, tokens_per_step: int
     return low
 
 
-def cumulative_flops(run: "_Run") -> float:
-    """Training FLOPs spent in the run's steps so far (each step at its own capacity)."""
-    return run.model.training_flops_per_token(run.cfg.train.seq_len, run.step) * run.tokens_per_step
-
-
 def _restore(run: _Run) -> None:
     """Continue from the run's checkpoint exactly: weights, optimizer, data and RNG states."""
     state = load_checkpoint(run.ckpt_path)
@@ -407,6 +408,13 @@ def _evaluate_phase(run: _Run, on_eval: Callable[[int, dict[str, float]], None] 
     val_x, val_y, val_hard = run.val
     val = evaluate(run.model, val_x, val_y, batch_size=t.batch_size, device=run.device, autocast=run.autocast,
                    hard_labels=val_hard)
+    if PERIODIC_CAUSAL:
+        # Calibrated as the final evaluation calibrates (on fewer batches of the same stream), so
+        # val/causal_bpb is one series to the last point; undone before training goes on.
+        with _calibration_undone(run.model):
+            _calibrate(run, PERIODIC_CALIBRATION_BATCHES)
+            val.update(evaluate_causal(run.model, val_x, val_y, batch_size=t.batch_size, device=run.device,
+                                       topk_bpb=val["bpb"], autocast=run.autocast))
     logged = {f"val/{k}": v for k, v in val.items()}
     logged.update({"perf/cum_flops": cumulative_flops(run),
                    "perf/cum_tokens": run.step * run.tokens_per_step})
@@ -417,6 +425,32 @@ def _evaluate_phase(run: _Run, on_eval: Callable[[int, dict[str, float]], None] 
     run.window_start = time.perf_counter()
 
 
+def _calibrate(run: _Run, n_batches: int = CALIBRATION_BATCHES) -> None:
+    """Re-estimate the causal rules on the current weights (``calibrate_causal_rules``) from the
+    first ``n_batches`` training batches of their own seeded stream, the same ones at every
+    evaluation; training's data order is untouched."""
+    if not run.model.routers:
+        return
+    t = run.cfg.train
+    calib_gen = torch.Generator().manual_seed(t.seed + CALIBRATION_SEED_OFFSET)
+    batches = [get_batch(run.corpus.train, t.batch_size, t.seq_len, calib_gen)[0] for _ in range(n_batches)]
+    calibrate_causal_rules(run.model, batches, autocast=run.autocast)
+
+
+@contextmanager
+def _calibration_undone(model: GPT) -> Iterator[None]:
+    """Restore every buffer of the model on exit. Calibration rewrites the routers' running
+    statistics; training resumes from the ones its own forwards left (so a run's trajectory and
+    checkpoints do not depend on how often it was evaluated). Learned weights are never touched."""
+    saved = {name: buf.clone() for name, buf in model.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, value in saved.items():
+                model.get_buffer(name).copy_(value)
+
+
 def _finish(run: _Run) -> TrainResult:
     """Calibrate the causal rules, evaluate val (all routing modes) and test, log, save."""
     t = run.cfg.train
@@ -424,11 +458,7 @@ def _finish(run: _Run) -> TrainResult:
     # The causal rules' running thresholds lag behind drifting scores: re-estimate them on the
     # final weights from training batches of their own stream (modbench.run.causal_eval), then the
     # final validation also scores the causal and dense routing modes (train/inference gap).
-    calib_gen = torch.Generator().manual_seed(t.seed + CALIBRATION_SEED_OFFSET)
-    calibrate_causal_rules(
-        run.model, [get_batch(run.corpus.train, t.batch_size, t.seq_len, calib_gen)[0] for _ in range(CALIBRATION_BATCHES)],
-        autocast=run.autocast,
-    )
+    _calibrate(run)
     val_x, val_y, val_hard = run.val
     val = evaluate(run.model, val_x, val_y, batch_size=t.batch_size, device=run.device, autocast=run.autocast,
                    hard_labels=val_hard, modes=True)

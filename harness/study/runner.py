@@ -54,6 +54,7 @@ from modbench.track.tracking import Tracker, fail_stale_runs
 from modbench.run.train import train
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
+TRIAL_ROLE = "trial"  # MLflow tag modbench.role of a trial's run (the study's parent run: "study")
 CREATION_WAIT_S = 300.0  # how long a worker waits for another to finish creating the study
 STAGE_POLL_S = 1.0  # how often a worker with nothing to run looks whether the current stage has finished
 STAGES_ATTR = "stages"  # study user attr: the stages queued so far, in order ({"stage", "queued", "record"})
@@ -175,6 +176,13 @@ def objective_values(study: Study, record: RunRecord) -> list[float]:
     return [record.value(o) for o in study.settings.objectives]
 
 
+def intermediate_metric(objective: str) -> str:
+    """The periodic validation metric a trial reports at every evaluation: the objective itself
+    when it is one (val/causal_bpb is measured at every evaluation too), else top-k val bpb."""
+    name = objective.removeprefix("val/")
+    return name if objective.startswith("val/") and name in ("bpb", "causal_bpb") else "bpb"
+
+
 class Runner:
     def __init__(self, study: Study, storage_url: str, out_dir: Path, *, tracking_uri: str, heartbeat: int,
                  grace: int) -> None:
@@ -282,21 +290,24 @@ class Runner:
             arm = arm_of(trial, s)
         cfg = s.run_config(arm, seed, out_dir=str(study_dir(s, self.out_dir) / "trials"), run_name=f"trial-{trial.number}",
                            experiment=s.name, track=True)  # tracked, through the tracker passed to train
-        tags = {"modbench.study": s.name, "optuna.trial_number": str(trial.number), "modbench.arm": s.label(arm),
-                "modbench.seed": str(seed), "optuna.state": "RUNNING"}
+        # modbench.role: "trial" here, "study" on the parent run: the README's chart filter keeps the
+        # parent (no arm, no curves) out of the arms' charts, where it would be an "Unassigned" series.
+        tags = {"modbench.study": s.name, "modbench.role": TRIAL_ROLE, "optuna.trial_number": str(trial.number),
+                "modbench.arm": s.label(arm), "modbench.seed": str(seed), "optuna.state": "RUNNING"}
         # The run's name starts with the arm (the UI's table cuts long names); the trial number is a tag.
         tracker = Tracker(s.name, run_name=f"{s.label(arm)} s{seed}", parent_run_id=self.parent_run_id, tags=tags,
                           uri=self.tracking_uri)
         multi = len(s.directions) > 1
+        curve = intermediate_metric(s.settings.objectives[0])
 
         def report(step: int, val: dict[str, float]) -> None:
-            # Intermediate values at every evaluation (the dashboard's learning curves); Optuna
-            # keeps none for multi-objective studies. The periodic evaluation is top-k val bpb.
+            # Intermediate values at every evaluation (the dashboard's learning curves, what a
+            # pruner compares); Optuna keeps none for multi-objective studies.
             if multi:
                 return
-            trial.report(val["bpb"], step)
+            trial.report(val[curve], step)
             if s.settings.pruner != "none" and trial.should_prune():
-                raise optuna.TrialPruned(f"pruned at step {step} (val bpb {val['bpb']:.4f})")
+                raise optuna.TrialPruned(f"pruned at step {step} (val/{curve} {val[curve]:.4f})")
 
         with tracker:
             trial.set_user_attr("mlflow_run_id", tracker.run_id)

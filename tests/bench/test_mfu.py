@@ -107,7 +107,8 @@ def test_mfu_arithmetic(monkeypatch):
     assert bench_table.mfu(flops_per_step, seconds, peak) == pytest.approx(by_hand, rel=1e-12)
 
     # The trainer's metric over a window of one step of B·T tokens taking `seconds`.
-    run = type("Run", (), dict(tokens_per_step=B * T, flops_per_token=model.flops_per_token(T), step=1, device=gpu))
+    run = type("Run", (), dict(tokens_per_step=B * T, flops_per_token=model.flops_per_token(T), step=1, device=gpu,
+                               model=model, cfg=RunConfig(model=cfg, train=TrainConfig(seq_len=T))))
     window = step_metrics.Window(steps=1, seconds=seconds, loss=loss.item(), aux={}, grad_norm=0.0, route_stats=[])
     assert step_metrics._perf_metrics(run, window)["perf/mfu"] == pytest.approx(by_hand, rel=1e-9)
 
