@@ -143,6 +143,51 @@ def test_threshold_budget_penalty_pulls_a_share_below_c_back_up_only_when_two_si
         assert after == before  # no gradient below C: the share stays where it fell
 
 
+def test_expert_threshold_decides_by_one_rule_in_training_and_decoding():
+    """r >= θ, θ an EMA of the steps' capacity quantile: after a few steps the share is about C, the top-k
+    forward (the batched training path) and the causal forward are the same computation, nothing leaks,
+    and there is no auxiliary loss."""
+    torch.manual_seed(6)
+    m = spread(GPT(CFG, RoutingConfig("expert_threshold", capacity=0.25, pattern="all", options={"slack": 4.0})), std=0.3)
+    g = torch.Generator().manual_seed(6)
+    for step in range(8):
+        m.set_step(step)
+        with torch.no_grad():
+            out = m(torch.randint(0, 256, (4, T), generator=g))
+        assert out.aux_losses == {}
+    m.set_step(8)
+    assert all(r.theta.value.item() != 0.0 for r in m.routers)
+    idx = torch.randint(0, 256, (4, T), generator=g)
+    m.train()
+    topk_sets = processed(m, idx, "topk")  # training mode: the rule the training forward applies
+    m.eval()
+    causal_sets = processed(m, idx, "causal")
+    assert all(abs(s.float().mean().item() - 0.25) < 0.1 for s in topk_sets)
+    assert all(torch.equal(a, b) for a, b in zip(topk_sets, causal_sets))
+    with torch.no_grad():
+        torch.testing.assert_close(m(idx).logits, m(idx, routing_mode="causal").logits, atol=1e-5, rtol=1e-5)
+    assert leak_rate(m, idx) == 0.0
+
+
+def test_expert_threshold_weights_the_delta_by_sigmoid_of_the_margin_so_the_router_learns():
+    torch.manual_seed(7)
+    m = spread(GPT(CFG, RoutingConfig("expert_threshold", capacity=0.25, pattern="all")))
+    block: RoutedBlock = m.layers[0]
+    router = block.router
+    with torch.no_grad():
+        router.theta.value.fill_(0.3)
+    x = torch.randn(2, T, CFG.width)
+    r = router.route(x, block.capacity.k(T))
+    selected = router.score(x).gather(-1, r.index)
+    torch.testing.assert_close(r.weight.squeeze(-1), torch.sigmoid(selected - 0.3))
+    assert bool((selected[r.valid] >= 0.3).all()) and bool((selected[~r.valid] < 0.3).all())
+    with torch.no_grad():
+        router.theta.value.zero_()  # (0.3 is above every score of the model's own small hidden states)
+    idx = torch.randint(0, 256, (2, T))
+    m(idx, idx).loss.backward()
+    assert all(l.router.scorer.proj.weight.grad.abs().sum() > 0 for l in m.layers)  # the LM loss reaches the router
+
+
 def test_token_choice_balance_loss_pulls_the_rate_to_the_capacity():
     torch.manual_seed(5)
     m = GPT(CFG, RoutingConfig("token_choice", capacity=0.25, pattern="all"))

@@ -111,6 +111,8 @@ def test_routed_block_equals_dense_block_on_the_subset_at_original_positions(nam
                 delta = a + block.block.mlp(block.block.norm2(sub + a)) * r.weight[b][valid[b]]
             else:  # a dense block on the subset, original positions
                 delta = block.block.delta(sub, cos[idx].unsqueeze(0).unsqueeze(0), sin[idx].unsqueeze(0).unsqueeze(0))
+                if block.weights_output:  # mor: the weight scales the block's output x + Δ (its released code)
+                    delta = delta + sub
             if r.weight is not None and block.router.weight_scope == "block":
                 delta = delta * r.weight[b][valid[b]]
             torch.testing.assert_close(out[b, idx].unsqueeze(0), sub + delta, rtol=1e-5, atol=1e-6)

@@ -2,13 +2,15 @@
 
 Built in: the seed recipes ``norm``, ``linear_softmax``, ``sigmoid``, ``learned_temperature``,
 ``mlp_skip``; the baseline ``dense`` and the controls ``random``, ``random_gated``, ``random_mlp``;
-and methods of the later literature: ``nested`` (Mixture-of-Recursions), ``token_choice``,
-``threshold`` (Router-Tuning / MoDification), ``pmod`` (p-MoD's TanhNorm and STRing),
+and methods of the later literature: ``nested`` (hierarchical filtering without weight sharing), ``mor``
+(Mixture-of-Recursions' router on a recursive model), ``token_choice``,
+``threshold`` (Router-Tuning / MoDification), ``expert_threshold`` (Expert-Threshold routing), ``pmod`` (p-MoD's TanhNorm and STRing),
 ``mode_staged`` (MoD with a mixture-of-experts MLP), ``mode_integrated`` (a no-op expert among the
 experts), ``amod`` (A-MoD's attention routing). Add your own with ``@register_variant`` (see README).
 """
 
-from .base import Provenance, QuantileThreshold, Router, Routing, RunningMean, VariantConfig, linear_ramp, topk_membership
+from .base import (BudgetController, Provenance, QuantileThreshold, Router, Routing, RunningMean, StepMean, VariantConfig,
+                   linear_ramp, topk_membership)
 from .registry import (
     ENTRY_POINT_GROUP,
     VariantSpec,
@@ -19,15 +21,17 @@ from .registry import (
 )
 
 # Importing the modules registers the built-in variants.
-from . import amod, controls, learned_temperature, linear_softmax, mlp_skip, mode, nested, norm, pmod, sigmoid, token_choice  # noqa: E402,F401
+from . import amod, controls, expert_threshold, learned_temperature, linear_softmax, mlp_skip, mode, mor, nested, norm, pmod, sigmoid, token_choice  # noqa: E402,F401
 
 __all__ = [
+    "BudgetController",
     "ENTRY_POINT_GROUP",
     "Provenance",
     "QuantileThreshold",
     "Router",
     "Routing",
     "RunningMean",
+    "StepMean",
     "VariantConfig",
     "VariantSpec",
     "build_router",

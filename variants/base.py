@@ -135,6 +135,103 @@ class QuantileThreshold(RunningMean):
         return scores >= self.value
 
 
+class StepMean(nn.Module):
+    """Mean of a statistic over the training forwards of one optimizer step.
+
+    State that the *training* forward reads (a budget controller's bias, ``expert_threshold``'s
+    threshold) must not move inside a step, and must be equal on every data-parallel rank. So its
+    forwards only add their observation here (no gradient, no host sync), the trainer averages the
+    sums over ranks once per step (``modbench.run.distributed.grad_sync``), and the owner consumes
+    the mean in the per-step hook (``Router.set_step``, called by ``GPT.set_step``).
+    """
+
+    rank_equal = True  # averaged over ranks every step: ``distributed.average_buffers`` leaves it alone
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.zeros(()))
+        self.register_buffer("count", torch.zeros(()))
+
+    @torch.no_grad()
+    def add(self, observed: Tensor) -> None:
+        self.total.add_(observed.detach().float().mean())
+        self.count.add_(1)
+
+    @torch.no_grad()
+    def take(self) -> tuple[Tensor, Tensor]:
+        """(mean, any): the mean of this step's observations (0 when none) and whether there were
+        any, as tensors (no host sync); the sums start again from zero."""
+        seen = self.count > 0
+        mean = self.total / self.count.clamp_min(1)
+        self.total.zero_()
+        self.count.zero_()
+        return mean, seen
+
+
+class BudgetController(nn.Module):
+    """A per-layer bias that makes a variable-count router's realised share track its capacity C.
+
+    The budget control of LongCat-Flash's zero-computation experts (arXiv:2509.01322, §2.1): after
+    each step the bias moves by μ times the gap between the target and the realised load,
+    Δb = μ·(C − share) (LongCat-Flash's Δbᵢ = μ(K_e/K · 1/N − Tᵢ/(K·T_all)) with one routed
+    "expert", the block, and K_e/K = C), an integral controller of the bias (the report calls its
+    controller PID; the update it prints is this integral term, and no P or D term is used here).
+    modbench's own: the bias acts on a MoD router's decision (added to its logit, or for
+    ``expert_threshold`` to the quantile level its threshold estimates); for a logit bias the gap
+    is scaled by σ, the spread (std) of the layer's logits over the forward's tokens, Δb = μ·σ·(C −
+    share), because MoD router logits span orders of magnitude (~0.003 at a fresh token_choice
+    router, units after training): with σ the loop gain is μ times the density of the standardised
+    logits at the threshold (≤ 0.4 for a Gaussian), whatever their scale; the share is the rule's
+    (before the k_max slot cap: what decoding processes); the gap is averaged over the step's
+    micro-batches and data-parallel ranks and applied once per step (``Router.set_step``); and a
+    warm start: a logit bias's first update sets it to the bias that would have given the first
+    step's batches a share of C exactly (``start``), where LongCat-Flash starts from 0 (a fresh
+    router's logits are centred, a share near 0.5, and an integral controller fast enough to hold
+    the share overshoots from there to ~0 for tens of steps).
+
+    Not a ``RunningMean``: the final calibration (``calibrate_causal_rules``) must not reset it,
+    since the training forward reads it (resetting it would change the top-k model itself).
+    """
+
+    rank_equal = True  # updated identically on every rank from the rank-averaged gap
+
+    def __init__(self, gain: float) -> None:
+        super().__init__()
+        self.gain = gain
+        self.register_buffer("bias", torch.zeros(()))
+        self.register_buffer("updates", torch.zeros(()))  # steps applied so far
+        self.gap = StepMean()  # C − share (× scale), per training forward
+        self.start = StepMean()  # the bias that would have given each forward a share of C (warm start)
+        self.register_load_state_dict_pre_hook(self._convert_old_checkpoint)
+
+    @torch.no_grad()
+    def observe(self, target: float, share: Tensor, scale: Tensor | float = 1.0, start: Tensor | None = None) -> None:
+        """A training forward's target share (k/T), realised share (a tensor: no host sync), the
+        scale of one unit of gap in the bias's units (σ for a logit bias) and, for a warm start, the
+        bias that would have made this forward's share C."""
+        self.gap.add((target - share.float()) * scale)
+        if start is not None:
+            self.start.add(start)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Δb = μ · the last step's mean (scaled) gap, or the warm start at the first update; nothing
+        when no training forward ran since the last call."""
+        gap, seen = self.gap.take()
+        start, started = self.start.take()
+        moved = torch.where(started & (self.updates == 0), start, self.bias + self.gain * gap)
+        self.bias.copy_(torch.where(seen, moved, self.bias))
+        self.updates.add_(seen.to(self.updates.dtype))
+
+    @staticmethod
+    def _convert_old_checkpoint(module, state_dict, prefix, *args) -> None:
+        # A checkpoint from before the controller existed (threshold's default turned it on) loads as a
+        # controller at bias 0 with nothing pending: exactly the model it was trained as.
+        keys = {f"{prefix}{name}": buf for name, buf in module.named_buffers()}
+        if not keys.keys() & state_dict.keys():
+            state_dict.update({k: torch.zeros_like(v) for k, v in keys.items()})
+
+
 class Router(nn.Module):
     """Base class of all routers.
 
@@ -194,6 +291,12 @@ class Router(nn.Module):
 
     def observe(self, scores: Tensor, topk_values: Tensor) -> None:
         """Called on training forwards with the scores and the selected scores."""
+
+    def set_step(self, step: int) -> None:
+        """The per-step hook (``GPT.set_step``, before each training step's forwards): routers whose
+        training forward reads state updated once per step (``StepMean``) update it here. Idempotent:
+        the trainer also calls ``GPT.set_step`` for FLOP accounting, and a second call finds nothing
+        pending. No host sync."""
 
     def decide_causal(self, x: Tensor) -> Tensor:
         """(B, T) bool: process this token? Uses only the token's own hidden state."""

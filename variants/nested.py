@@ -1,13 +1,16 @@
-"""``nested``: expert choice nested across depth (Mixture-of-Recursions' routing).
+"""``nested``: hierarchical filtering without weight sharing, over a stack of distinct layers.
 
-Source: Bae et al. 2025, Mixture-of-Recursions (arXiv:2507.10524), §2.2 "expert-choice
-routing": at each recursion step the router keeps its top-k only among the tokens that the
-previous step kept, so the active set shrinks monotonically with depth, and the output is
-weighted by the router's score, here α·sigmoid(r) (their sigmoid gate with a scale α). In a
-non-recursive stack the "recursion steps" are the routed layers: routed layer ℓ selects its
-top-k_ℓ among the tokens routed layer ℓ−1 processed. With one capacity for every layer the
-nesting selects the previous layer's set again; give the layers a decaying capacity
-(``capacity_first`` in the routing config, e.g. 0.5 → 0.125) so each layer keeps fewer.
+What it borrows: the hierarchical filtering of Mixture-of-Recursions' expert-choice routing (Bae et
+al. 2025, arXiv:2507.10524 §2.2): each routed layer keeps its top-k only among the tokens the
+previous routed layer kept, so the active set shrinks monotonically with depth, and the output is
+weighted by α·sigmoid(r). What it is not: MoR itself. MoR applies one *shared* block N_R times and
+routes per recursion step; here the "steps" are the routed layers of an ordinary stack, each with
+its own weights (no sharing), its aux BCE runs over all tokens (MoR's over the step's candidates),
+and it has no router z-loss and no router temperature. MoR's router on a recursive model is the
+``mor`` variant (``ModelConfig.recursion``); ``nested`` is the control that isolates the filtering.
+With one capacity for every layer the nesting selects the previous layer's set again; give the
+layers a decaying capacity (``capacity_first`` in the routing config, e.g. 0.5 → 0.125) so each
+layer keeps fewer.
 
 Causal rule: r > 0 (trained by an auxiliary BCE towards the layer's own top-k membership, as
 ``sigmoid``) *and* processed by the previous routed layer — nested at decode time as well.

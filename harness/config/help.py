@@ -24,6 +24,10 @@ MODEL = {
     "max_seq_len": "longest sequence the model is built for (RoPE tables, the causal mask)",
     "mlp_ratio": "MLP hidden width ÷ model width",
     "rope_base": "RoPE frequency base",
+    "recursion": "weight sharing across depth: 'none', 'cycle' (the whole stack is one block, cycled) or "
+                 "'middle_cycle' (first and last layers unshared; Mixture-of-Recursions' default); --depth stays "
+                 "the effective depth",
+    "recursions": "N_R, applications of the shared block: 2, 3 or 4 with --recursion (1 without)",
 }
 
 ROUTING = {
@@ -32,6 +36,8 @@ ROUTING = {
     "schedule": f"capacity over sequence length: {' or '.join(map(repr, SCHEDULES))} "
                 "('log': the log-scaled capacity of the nanochat fork's MoD documentation)",
     "pattern": f"which layers are routed: {PATTERN_FORMS}",
+    "capacities": "one capacity per routed layer, comma-separated, fractions allowed (e.g. '1,2/3,1/3': "
+                  "Mixture-of-Recursions' per-step capacities); the last must equal --capacity; excludes --capacity-first",
     "capacity_first": "capacity of the first routed layer, decaying along a cosine to --capacity at the last "
                       "(p-MoD's progressive ratio decay); default: every routed layer at --capacity",
     "capacity_warmup_steps": "steps over which every routed layer's capacity falls from 1.0 to its own (0: none)",

@@ -8,6 +8,22 @@ Depth parameterisation (nanochat's, karpathy/nanochat): one number sets the shap
 
 with explicit overrides for each, and the hyper-parameter scalings tuned at depth 12,
 lr × (n_embd / 768)^-0.5 and weight decay × (12 / depth)².
+
+Recursion (Mixture-of-Recursions, arXiv:2507.10524 §2.1; ``modbench.model.recursion``):
+``recursion`` = "cycle" or "middle_cycle" ties the stack's weights into one shared block applied
+``recursions`` = N_R times. ``depth``/``n_layer`` stay the *effective* depth (block applications,
+``layers``); ``physical_layers`` counts the distinct blocks that hold parameters. The effective
+depth drives all three depth rules, so a recursive model and its vanilla twin differ only in the
+sharing:
+
+- width (depth × aspect_ratio): MoR derives its recursive models from the vanilla model of the
+  same depth and width (authors' code, raymin0223/mixture_of_recursions, sharing_strategy), which
+  keeps FLOPs per token equal and the parameter count N_R-fold smaller in the shared part;
+- init std 0.02/√(2·layers) of the residual projections: GPT-2 scales by the number of residual
+  additions a token's stream receives, one per application, shared or not;
+- LR (by width) and weight decay (12/depth)²: the trainer scales by ``width`` and ``layers``, so the
+  twin pair trains with the same hyper-parameters (a physical-depth WD would give the recursive
+  model up to N_R²-fold more decay on the block that receives N_R gradient contributions).
 """
 
 from __future__ import annotations
@@ -21,6 +37,15 @@ from modbench.config.capacity import CapacitySchedule, check_capacity
 from modbench.config.io import bounded, check_bounds
 from modbench.errors import ModbenchError
 from modbench.config.patterns import parse_pattern, pattern_string
+
+
+RECURSION_MODES = ("none", "cycle", "middle_cycle")
+RECURSIONS = (2, 3, 4)  # N_R of a recursive model: MoR trains 2, 3 and 4
+
+
+def unshared_layers(mode: str) -> int:
+    """Layers outside the cycled block: the first and the last for middle_cycle."""
+    return 2 if mode == "middle_cycle" else 0
 
 
 def round_up(x: int, multiple: int) -> int:
@@ -49,9 +74,12 @@ class ModelConfig:
     max_seq_len: int = bounded(1024, 1, 1 << 17)
     mlp_ratio: int = bounded(4, 1, 64)
     rope_base: float = bounded(10000.0, 1.0, 1e12, low_open=True)
+    recursion: str = "none"  # weight sharing: 'none', 'cycle' or 'middle_cycle' (MoR's)
+    recursions: int = bounded(1, 1, 4)  # N_R: applications of the shared block (1 without recursion)
 
     def __post_init__(self) -> None:
         check_bounds(self, "model")
+        self._check_recursion()
         if self.width > 65536:
             raise ModbenchError(f"model width {self.width} (depth × aspect_ratio) is out of range: expected at most 65536")
         if self.heads > self.width:
@@ -61,9 +89,38 @@ class ModelConfig:
         if (self.width // self.heads) % 2:
             raise ModbenchError(f"head dimension {self.width // self.heads} must be even for RoPE")
 
+    def _check_recursion(self) -> None:
+        if self.recursion not in RECURSION_MODES:
+            raise ModbenchError(f"model.recursion {self.recursion!r} is unknown: expected one of "
+                                f"{', '.join(map(repr, RECURSION_MODES))}")
+        if self.recursion == "none":
+            if self.recursions != 1:
+                raise ModbenchError(f"model.recursions = {self.recursions} needs a shared block: set model.recursion to "
+                                    "'cycle' or 'middle_cycle', or recursions to 1")
+            return
+        if self.recursions not in RECURSIONS:
+            raise ModbenchError(f"model.recursions = {self.recursions} is out of range for recursion "
+                                f"{self.recursion!r}: expected one of {', '.join(map(str, RECURSIONS))}")
+        cycled = self.layers - unshared_layers(self.recursion)
+        if cycled < self.recursions or cycled % self.recursions:
+            extra = " + 2 unshared" if self.recursion == "middle_cycle" else ""
+            raise ModbenchError(f"model depth {self.layers} does not split into {self.recursions} applications of one "
+                                f"shared block under recursion {self.recursion!r}: expected depth = "
+                                f"{self.recursions}·b{extra} for a block of b >= 1 layers")
+
     @property
     def layers(self) -> int:
+        """Effective depth: block applications on a token's residual stream (the unrolled stack)."""
         return self.n_layer if self.n_layer is not None else self.depth
+
+    @property
+    def physical_layers(self) -> int:
+        """Distinct blocks holding parameters: the shared block's b layers (plus the two unshared
+        ones of middle_cycle); ``layers`` without recursion."""
+        if self.recursion == "none":
+            return self.layers
+        unshared = unshared_layers(self.recursion)
+        return (self.layers - unshared) // self.recursions + unshared
 
     @property
     def width(self) -> int:
@@ -77,7 +134,8 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(resolved_n_layer=self.layers, resolved_n_embd=self.width, resolved_n_head=self.heads)
+        d.update(resolved_n_layer=self.layers, resolved_n_embd=self.width, resolved_n_head=self.heads,
+                 resolved_physical_layers=self.physical_layers)
         return d
 
 
@@ -97,6 +155,11 @@ class RoutingConfig:
     # along a cosine over this many training steps (0: none). Training FLOPs count each step at
     # its own capacity (``GPT.training_flops``), so FLOP budgets stay exact.
     capacity_warmup_steps: int = bounded(0, 0, 1 << 40)
+    # Per routed layer, an explicit list: "1,2/3,1/3" (fractions allowed), one entry per routed layer
+    # in order, the last equal to ``capacity``. Mixture-of-Recursions' per-recursion-step capacities
+    # (the released code's comma-separated ``mor.capacity``, one per step); "" (default): ``capacity``
+    # and ``capacity_first`` decide. Exclusive with ``capacity_first``.
+    capacities: str = ""
 
     def __post_init__(self) -> None:
         check_bounds(self, "routing")
@@ -106,9 +169,35 @@ class RoutingConfig:
             except ModbenchError:
                 raise ModbenchError(f"routing.capacity_first = {self.capacity_first!r} is out of range: expected a "
                                     "fraction in (0, 1] (the first routed layer's capacity)") from None
+        if self.capacities:
+            per_layer = self.capacity_list
+            if self.capacity_first is not None:
+                raise ModbenchError("routing.capacities and routing.capacity_first both set the routed layers' "
+                                    "capacities: expected one of them")
+            if per_layer[-1] != self.capacity:
+                raise ModbenchError(f"routing.capacities {self.capacities!r} ends at {per_layer[-1]:g}, not at "
+                                    f"routing.capacity {self.capacity:g}: expected capacity = the last entry")
+
+    @property
+    def capacity_list(self) -> tuple[float, ...]:
+        """``capacities`` parsed: one capacity per routed layer (empty when not set)."""
+        if not self.capacities:
+            return ()
+        out = []
+        for item in self.capacities.split(","):
+            num, slash, den = item.strip().partition("/")
+            try:
+                value = float(num) / float(den) if slash else float(num)
+                out.append(check_capacity(value))
+            except (ValueError, ZeroDivisionError, ModbenchError):
+                raise ModbenchError(f"routing.capacities {self.capacities!r} has the entry {item.strip()!r}: expected "
+                                    "comma-separated fractions in (0, 1] such as '1,2/3,1/3'") from None
+        return tuple(out)
 
     def capacity_at(self, i: int, n_routed: int) -> float:
         """Capacity of the i-th of ``n_routed`` routed layers (0-based)."""
+        if self.capacities:
+            return self.capacity_list[i]
         if self.capacity_first is None or n_routed <= 1:
             return self.capacity
         t = i / (n_routed - 1)
@@ -120,7 +209,7 @@ class RoutingConfig:
 
     @property
     def is_dense(self) -> bool:
-        return self.capacity == 1.0 and self.capacity_first in (None, 1.0)
+        return self.capacity == 1.0 and self.capacity_first in (None, 1.0) and all(c == 1.0 for c in self.capacity_list)
 
     def routed_layers(self, n_layer: int) -> tuple[bool, ...]:
         """Per-layer flags, True where routed. A routed config (a variant other than ``dense``,
@@ -133,6 +222,9 @@ class RoutingConfig:
                 f"{self.variant!r} would train dense: expected a pattern that routes at least one layer "
                 f"('all', 'alternate' at depth >= 2, 'every:K' with K <= {n_layer}, a D/M string with an M in its first {n_layer})"
             )
+        if self.capacities and len(self.capacity_list) != sum(flags):
+            raise ModbenchError(f"routing.capacities {self.capacities!r} has {len(self.capacity_list)} entries for "
+                                f"{sum(flags)} routed layers (pattern {self.pattern!r}, {n_layer} layers): expected one per routed layer")
         return flags
 
     def to_dict(self) -> dict[str, Any]:
@@ -143,8 +235,10 @@ class RoutingConfig:
 
 def describe(model: ModelConfig, routing: RoutingConfig) -> str:
     flags = routing.routed_layers(model.layers)
+    shared = "" if model.recursion == "none" else \
+        f" ({model.physical_layers} physical, {model.recursion} × {model.recursions})"
     return (
-        f"{model.layers} layers × d={model.width} ({model.heads} heads), "
+        f"{model.layers} layers{shared} × d={model.width} ({model.heads} heads), "
         f"variant={routing.variant} C={routing.capacity} ({routing.schedule}) "
         f"pattern={pattern_string(flags)}"
     )

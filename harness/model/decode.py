@@ -183,6 +183,22 @@ class Decoder:
         self.routed_total = 0  # per routed layer
 
     @property
+    def kv_bytes(self) -> int:
+        """Bytes of the K/V entries the caches hold: the *valid* slots (each sequence's ``lengths``
+        at each layer), not the worst-case allocation. A routed layer holds only the tokens it
+        processed; a recursive model's applications of one shared block keep separate caches, each
+        holding the tokens that application processed (Mixture-of-Recursions' recursion-wise
+        caching, arXiv:2507.10524 §2.2). One host sync."""
+        slots = torch.stack([cache.lengths for cache in self.caches]).sum()
+        c = self.caches[0]
+        return int(slots) * 2 * c.k.shape[1] * c.k.shape[3] * c.k.element_size()
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """``kv_bytes`` per token fed so far, per sequence: the cache a context of this length costs."""
+        return self.kv_bytes / max(self.pos * self.batch, 1)
+
+    @property
     def skipped_fraction(self) -> float:
         """Fraction of routed-layer token computations skipped so far (mlp_skip: MLPs)."""
         if not self.routed_total or not self.processed.numel():
@@ -272,6 +288,7 @@ class Generation:
     processed_shares: list[float]  # per routed layer: the share of token computations done
     logits: Tensor | None = None  # (B, P + N − 1, V) when asked for: every fed position
     prefill_seconds: float = 0.0  # of ``seconds``: the prompt's pass and the first new token's sampling
+    kv_bytes_per_token: float = 0.0  # valid K/V bytes per fed token and sequence (``Decoder.kv_bytes``)
 
     @property
     def new_tokens(self) -> Tensor:
@@ -359,6 +376,7 @@ def generate(
         processed_shares=decoder.processed_shares,
         logits=torch.cat(all_logits, dim=1) if return_logits else None,
         prefill_seconds=prefill_seconds,
+        kv_bytes_per_token=decoder.kv_bytes_per_token,
     )
 
 

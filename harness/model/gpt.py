@@ -27,6 +27,11 @@ Read top to bottom. Notable features:
 - No host-device synchronisation in the forward pass: k is a Python int from static
   shapes, and nothing calls ``.item()``; the model compiles with ``fullgraph=True``.
 - Analytic FLOPs as model methods (``flops_per_token``), documented in ``modbench.model.flops``.
+- Recursive models (``ModelConfig.recursion``, Mixture-of-Recursions arXiv:2507.10524 §2.1): the
+  layer positions of the unrolled stack that share a block hold the same ``Block`` module
+  (``modbench.model.recursion.sharing_map``); every position keeps its own router, KV cache and
+  FLOP count, so routing, decoding and FLOPs need no special case. The recursive dense baseline is
+  a recursive config with the ``dense`` variant: the shared block on every token at every step.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from torch import Tensor, nn
 from modbench.variants import Router, get_variant
 
 from modbench.model import flops as flop_math
+from modbench.model.recursion import sharing_map
 from modbench.config.capacity import CapacitySchedule
 from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.errors import ModbenchError, accepted
@@ -286,12 +292,16 @@ class LayerOutput:
 class RoutedBlock(nn.Module):
     """A block whose router picks the k tokens it processes (scope 'block' or 'mlp')."""
 
-    def __init__(self, cfg: ModelConfig, router: Router, capacity: CapacitySchedule) -> None:
+    def __init__(self, cfg: ModelConfig, router: Router, capacity: CapacitySchedule, block: Block | None = None) -> None:
         super().__init__()
-        self.block = Block(cfg, experts=router.mlp_experts, noop_expert=router.mlp_noop_expert)
+        # ``block``: a recursive model's shared block (built once, applied at several positions)
+        self.block = block if block is not None else Block(cfg, experts=router.mlp_experts, noop_expert=router.mlp_noop_expert)
         router.attach(self.block)  # a router that shares the block's modules binds them (mode_integrated)
         self.router = router
         self.base_capacity = capacity  # after any warm-up
+        # A router may weight the block's output x + Δ rather than its delta Δ (``mor``'s update, as the
+        # Mixture-of-Recursions code's scatter_add of g·block(x)): a processed token becomes x + w·(x + Δ).
+        self.weights_output = bool(getattr(router, "weights_block_output", False))
         self.capacity = capacity  # at the current training step (GPT.set_step)
 
     # The router's scope is read here, and only here: what runs on every token before routing,
@@ -321,8 +331,11 @@ class RoutedBlock(nn.Module):
         return x if scale is None else x * scale.unsqueeze(-1).to(x.dtype)
 
     def mix_causal(self, x: Tensor, decide: Tensor, delta: Tensor) -> Tensor:
-        """x + w·delta where ``decide``, ``skipped(x)`` elsewhere: causal mode and decoding."""
+        """x + w·delta where ``decide``, ``skipped(x)`` elsewhere: causal mode and decoding (x + w·(x + delta)
+        for a router that weights the block's output)."""
         weight = self.router.causal_weight(x, decide) if self.router.weight_scope == "block" else None
+        if self.weights_output:
+            delta = delta + x
         if weight is not None:
             delta = delta * weight.unsqueeze(-1).to(delta.dtype)
         return torch.where(decide.unsqueeze(-1), x + delta, self.skipped(x))
@@ -345,6 +358,8 @@ class RoutedBlock(nn.Module):
             delta = self.routed_delta(xs, cs, sn, mlp_weight)
         else:  # a variable count: unused slots are no keys, and their delta is zeroed (rows unchanged)
             delta = self.routed_delta(xs, cs, sn, mlp_weight, mask=subset_mask(r.valid)) * r.valid.unsqueeze(-1).to(xs.dtype)
+        if self.weights_output:  # x + w·(x + Δ): the block's output is weighted (mor, released code)
+            delta = delta + xs
         if r.weight is not None and not weight_mlp:
             delta = delta * r.weight.to(delta.dtype)
         # Under autocast the delta leaves the linears in bf16 while the residual stream stays fp32.
@@ -405,9 +420,9 @@ class RoutedBlock(nn.Module):
 
 
 class DenseLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, block: Block | None = None) -> None:
         super().__init__()
-        self.block = Block(cfg)
+        self.block = block if block is not None else Block(cfg)  # ``block``: a recursive model's shared block
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> LayerOutput:
         T = x.shape[1]
@@ -415,8 +430,10 @@ class DenseLayer(nn.Module):
 
     def flops(self, seq_len: int, *, causal: bool = True) -> flop_math.LayerFlops:
         cfg = self.block.cfg
+        mlp = self.block.mlp  # a shared block that a routed position made a mixture of experts (MoDE)
+        gate = mlp.gate_flops(cfg.width) if isinstance(mlp, TopOneMoE) else (0.0, 0.0)
         return flop_math.block_flops(cfg.width, cfg.mlp_ratio, attn_tokens=seq_len, mlp_tokens=seq_len, causal=causal,
-                                     attention_summary=self.block.attn.expose)
+                                     mlp_gate=gate, attention_summary=self.block.attn.expose)
 
 
 @dataclass
@@ -441,15 +458,23 @@ class GPT(nn.Module):
         n_routed = sum(self.routed_flags)
 
         self.embed = nn.Embedding(cfg.vocab_size, cfg.width)
+        # A recursive model (``modbench.model.recursion``): position i of the unrolled stack runs physical
+        # block ``sharing[i]``; positions that share it hold the same ``Block`` module, so its parameters
+        # are registered (and counted, initialised, optimised) once and its FLOPs counted per application.
+        self.sharing = sharing_map(cfg.layers, cfg.recursion, cfg.recursions)
+        routers = [spec.builder(cfg.width, variant_config) if routed else None for routed in self.routed_flags] \
+            if cfg.recursion != "none" else None
+        blocks = self._shared_blocks(cfg, routers) if routers is not None else {}
         layers = []
-        for routed in self.routed_flags:
+        for i, routed in enumerate(self.routed_flags):
+            block = blocks.get(self.sharing[i])
             if routed:
-                router = spec.builder(cfg.width, variant_config)
+                router = routers[i] if routers is not None else spec.builder(cfg.width, variant_config)
                 # Per-layer capacity (RoutingConfig.capacity_first): the j-th routed layer's own schedule.
                 schedule = self.routing.capacity_schedule(cfg.max_seq_len, sum(isinstance(l, RoutedBlock) for l in layers), n_routed)
-                layers.append(RoutedBlock(cfg, router, schedule))
+                layers.append(RoutedBlock(cfg, router, schedule, block))
             else:
-                layers.append(DenseLayer(cfg))
+                layers.append(DenseLayer(cfg, block))
         self.layers = nn.ModuleList(layers)
         for before, layer in zip(layers, layers[1:]):  # a router that scores by the previous layer's attention (amod)
             if isinstance(layer, RoutedBlock) and layer.router.reads_attention:
@@ -462,6 +487,16 @@ class GPT(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self._init_weights()
 
+    def _shared_blocks(self, cfg: ModelConfig, routers: list[Router | None]) -> dict[int, Block]:
+        """One ``Block`` per physical block of a recursive model, a mixture of experts when a routed
+        position that runs it asks for one (MoDE); built after the routers, in physical order."""
+        blocks = {}
+        for b in sorted(set(self.sharing)):
+            users = [r for r, s in zip(routers, self.sharing) if s == b and r is not None]
+            experts = max((r.mlp_experts for r in users), default=0)
+            blocks[b] = Block(cfg, experts=experts, noop_expert=any(r.mlp_noop_expert for r in users))
+        return blocks
+
     def router_parameters(self) -> list[nn.Parameter]:
         """Every parameter a router owns, chosen by identity: a router that binds block modules
         (``mode_integrated``'s gate and norm, registered under ``block.`` first) owns them too,
@@ -469,7 +504,9 @@ class GPT(nn.Module):
         return list({id(p): p for r in self.routers for p in r.parameters()}.values())
 
     def _init_weights(self) -> None:
-        # GPT-2 init: N(0, 0.02), residual projections scaled by 1/√(2·n_layer).
+        # GPT-2 init: N(0, 0.02), residual projections scaled by 1/√(2·n_layer), n_layer the *effective*
+        # depth: the scaling counts the residual additions a token's stream receives, one per application
+        # of a block, shared or not (``ModelConfig``). A shared block's parameters appear once here.
         owned_by_routers = {id(p) for p in self.router_parameters()}
         for name, p in self.named_parameters():
             if id(p) in owned_by_routers:
@@ -479,10 +516,12 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=std)
 
     def set_step(self, step: int) -> None:
-        """Training step, for the capacity warm-up (``RoutingConfig.capacity_warmup_steps``)."""
+        """Training step, for the capacity warm-up (``RoutingConfig.capacity_warmup_steps``) and the
+        routers' per-step hook (``Router.set_step``: budget controllers, expert_threshold's threshold)."""
         for layer in self.layers:
             if isinstance(layer, RoutedBlock):
                 layer.capacity = layer.base_capacity.warmed(step, self.routing.capacity_warmup_steps)
+                layer.router.set_step(step)
 
     @property
     def routers(self) -> list[Router]:
@@ -570,4 +609,5 @@ class GPT(nn.Module):
                 layer.capacity = cap
 
     def num_params(self) -> int:
+        """Parameters, a recursive model's shared block counted once (``parameters()`` deduplicates)."""
         return sum(p.numel() for p in self.parameters())

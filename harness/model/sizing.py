@@ -48,7 +48,8 @@ def decode_flops_per_token(model: ModelConfig, routing: RoutingConfig, seq_len: 
     what a fixed-count router pays at the same share, not its training-time k_max slots."""
     fraction = min(1.0, max(fraction, 1.0 / seq_len))
     with torch.device("meta"):
-        gpt = GPT(model, replace(routing, capacity=fraction))
+        # (an explicit per-layer list gives way to the realised share, uniform over the routed layers)
+        gpt = GPT(model, replace(routing, capacity=fraction, capacities=""))
     for router in gpt.routers:
         router.count_batched_slots = False
     return gpt.flops_per_token(seq_len, backward=False)
@@ -59,6 +60,15 @@ def non_embedding_params(model: ModelConfig, routing: RoutingConfig) -> int:
     with torch.device("meta"):
         gpt = GPT(model, routing)
     return sum(p.numel() for name, p in gpt.named_parameters() if not name.startswith(("embed.", "head.")))
+
+
+def param_matched_vanilla(model: ModelConfig) -> ModelConfig:
+    """The vanilla (unshared) model with a recursive model's parameters: its physical depth at its
+    width and heads (depth no longer drives the width, so both are pinned). Block for block the same
+    modules, so the non-embedding parameters are equal; it costs 1/N_R of the shared part's FLOPs.
+    The FLOP-matched vanilla model is the recursive model's own shape unshared (same FLOPs per token)."""
+    return replace(model, n_layer=model.physical_layers, n_embd=model.width, n_head=model.heads,
+                   recursion="none", recursions=1)
 
 
 def matched_dense_shape(cfg: RunConfig, tolerance: float = MATCH_TOLERANCE) -> tuple[int, int, float]:
@@ -88,7 +98,9 @@ def _closest(cfg: RunConfig, target: float, widths) -> tuple[float, int, int, fl
     best = None
     for depth in range(cfg.model.layers, 0, -1):
         for width in widths:
-            shape = replace(cfg.model, depth=depth, n_layer=None, n_embd=width, n_head=heads_for(width, cfg.model))
+            # a vanilla model (no weight sharing): the FLOP-matched control of a recursive arm too
+            shape = replace(cfg.model, depth=depth, n_layer=None, n_embd=width, n_head=heads_for(width, cfg.model),
+                            recursion="none", recursions=1)
             ratio = flops_per_token(shape, RoutingConfig(), cfg.train.seq_len) / target
             if best is None or abs(ratio - 1) < best[0]:
                 best = (abs(ratio - 1), depth, width, ratio)

@@ -2,7 +2,8 @@
 
 Calibration (``calibrate_causal_rules``, run by ``modbench.run.train`` before the final evaluation)
     Threshold rules compare a token's score with a running estimate of the training-time
-    k-th largest score. Over a run whose scores drift (short runs, a large learning rate:
+    k-th largest score (the state a training forward reads, such as budget-controller biases, is
+    kept out of it). Over a run whose scores drift (short runs, a large learning rate:
     residual norms and router logits move a lot) an EMA lags behind, and the causal rule
     then processes almost every token or almost none (seen on 300-step runs: 0 % processed
     at C = 0.25). The final pass re-estimates every running statistic on the final weights.
@@ -38,6 +39,12 @@ def calibrate_causal_rules(model: GPT, batches: Iterable[Tensor], *, autocast: t
     gradient, with ``Router.calibrating`` set (the random control calibrates its hyperplane
     then). Learned weights are untouched, so the top-k model is the same model; the global
     RNG is left where it was.
+
+    State that the *training* forward reads is not a ``RunningMean`` and is left exactly as training
+    left it: the budget controllers' biases (``variants.base.BudgetController``) and
+    expert_threshold's threshold. Re-estimating it here would change the top-k model itself (for
+    those routers the training rule is the decoding rule); calibrating forwards add nothing to its
+    per-step statistics either (``VariableCountRouter.route`` skips them while ``calibrating``).
     """
     routers = model.routers
     batches = list(batches)

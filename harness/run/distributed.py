@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from modbench.errors import ModbenchError
+from modbench.variants import StepMean
 
 
 def launched_world_size() -> int:
@@ -137,13 +138,34 @@ def broadcast_object(obj: Any) -> Any:
 
 
 def average_buffers(modules: Iterable[nn.Module]) -> None:
-    """Replace every floating-point buffer of ``modules`` by its mean over ranks, in place."""
+    """Replace every floating-point buffer of ``modules`` by its mean over ranks, in place; state kept
+    equal on every rank at every step (submodules marked ``rank_equal``: budget controllers,
+    expert_threshold's threshold, see :func:`sync_step_statistics`) is left bit for bit as it is."""
     if not is_distributed():
         return
     for module in modules:
-        for buf in module.buffers():
-            if buf.is_floating_point():
-                buf.copy_(mean_over_ranks(buf))
+        for sub in module.modules():
+            if getattr(sub, "rank_equal", False):
+                continue
+            for buf in sub.buffers(recurse=False):
+                if buf.is_floating_point():
+                    buf.copy_(mean_over_ranks(buf))
+
+
+def sync_step_statistics(model: nn.Module) -> None:
+    """Average every ``StepMean`` of ``model`` over ranks: one all-reduce per step, after the last
+    micro-batch. The per-step state the training forward reads (a budget controller's bias,
+    expert_threshold's threshold) is then updated from the same numbers on every rank in the
+    per-step hook (``GPT.set_step``), so it stays equal across ranks without being broadcast: the
+    slices are equal, so the mean of the slice means is the global batch's, as one process sees it."""
+    if not is_distributed():
+        return
+    stats = [m for m in model.modules() if isinstance(m, StepMean)]
+    if not stats:
+        return
+    mean = mean_over_ranks(torch.stack([m.total for m in stats]))
+    for m, value in zip(stats, mean.unbind()):
+        m.total.copy_(value)
 
 
 def _collective_device() -> torch.device:
@@ -156,14 +178,16 @@ def _collective_device() -> torch.device:
 def wrap_model(model: nn.Module, device: torch.device) -> nn.Module:
     """``model`` wrapped in DistributedDataParallel inside a group, else ``model`` itself.
 
-    Buffers are not synchronised in the forward pass: the only buffers that change in
-    training are the routers' running means (causal thresholds, linear_softmax's log Ẑ),
-    which no training forward reads. Each rank keeps the running mean of its own slices and
-    the trainer calls :func:`average_buffers` on the routers before saving; the update is
-    linear in the observed batch mean and the rates depend only on the step, so that average
-    is the single-process running mean of the global batches (broadcasting rank 0's buffers
-    would keep the statistic of rank 0's slices only). The final calibration (rank 0, whole
-    batches) resets them anyway.
+    Buffers are not synchronised in the forward pass. The routers' running means (causal
+    thresholds, linear_softmax's log Ẑ) are read by no training forward: each rank keeps the
+    running mean of its own slices and the trainer calls :func:`average_buffers` on the routers
+    before saving; the update is linear in the observed batch mean and the rates depend only on
+    the step, so that average is the single-process running mean of the global batches
+    (broadcasting rank 0's buffers would keep the statistic of rank 0's slices only). The final
+    calibration (rank 0, whole batches) resets them anyway. The state a training forward *does*
+    read (budget controllers, expert_threshold's threshold) moves once per step from statistics
+    averaged over ranks (:func:`grad_sync`, :func:`sync_step_statistics`), so it is equal on every
+    rank at every forward.
     """
     if not is_distributed():
         return model
@@ -176,7 +200,18 @@ def wrap_model(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 def grad_sync(step_model: nn.Module, last_micro: bool) -> AbstractContextManager:
-    """All-reduce gradients only after the last micro-batch of a step (DDP ``no_sync``)."""
-    if last_micro or not hasattr(step_model, "no_sync"):
+    """All-reduce gradients only after the last micro-batch of a step (DDP ``no_sync``); after that
+    micro-batch's backward, also the step's router statistics (:func:`sync_step_statistics`): the one
+    point every rank passes once per step (``GPT.set_step`` is also called on rank 0 alone, to count
+    FLOPs, so it cannot hold a collective)."""
+    if not hasattr(step_model, "no_sync"):
         return nullcontext()
-    return step_model.no_sync()
+    if not last_micro:
+        return step_model.no_sync()
+    return _then(sync_step_statistics, step_model.module)
+
+
+@contextmanager
+def _then(fn, *args) -> Iterator[None]:
+    yield
+    fn(*args)
