@@ -54,7 +54,15 @@ from modbench.variants import RunningMean
 CAPACITY = 0.125
 BATCHES = (1, 8, 64)
 ROUTED = [v for v in variants.list_variants() if variants.get_variant(v).scope != "none"]
-ENTRIES = [(v, "fixed:1,1") for v in ROUTED] + [("sigmoid", "alternate")]
+# Routed variants this table cannot time faithfully, each with the reason (the suite still checks that
+# every other registered variant has its entries).
+NOT_TIMED = {
+    "mor": "Mixture-of-Recursions routes the steps of a recursive model (model.recursion) at per-step capacities "
+           "(routing.capacities); in a vanilla fixed:1,1 model at one constant C its hierarchical filtering makes "
+           "every later layer take all of the first layer's tokens (measured: the same share in all 6 routed "
+           "layers), so the entry would time one router, not MoR",
+}
+ENTRIES = [(v, "fixed:1,1") for v in ROUTED if v not in NOT_TIMED] + [("sigmoid", "alternate")]
 # Per device (and "cpu-ci": the untimed CI run): (d_model, depth, head_dim), prompt and new tokens.
 SHAPE = {"cpu": (512, 8, 64), "cpu-ci": (64, 6, 32), "cuda": (1024, 12, 64)}
 PROMPT = {"cpu": 32, "cpu-ci": 8, "cuda": 64}
@@ -199,7 +207,8 @@ def _skip_tolerance(decisions: int) -> float:
 
 
 def test_every_routed_variant_has_a_decode_entry():
-    assert {v for v, _ in ENTRIES} == set(ROUTED) and len(ROUTED) >= 10
+    assert {v for v, _ in ENTRIES} | set(NOT_TIMED) == set(ROUTED) and len(ROUTED) >= 10
+    assert not set(NOT_TIMED) & {v for v, _ in ENTRIES} and all(len(why) > 40 for why in NOT_TIMED.values())
     assert {"token_choice", "threshold", "mode_staged", "mode_integrated"} <= set(ROUTED)
 
 
