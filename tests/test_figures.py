@@ -110,6 +110,16 @@ def test_isoflop_figure_labels_the_fit_with_its_df_and_shows_seeds_and_the_mod_a
     assert sum(len(line.get_xdata()) for line in seed_dots) == len(points)  # every seed, not only means
 
 
+def test_isoflop_figure_of_a_single_dense_size_has_no_fit_and_draws(tmp_path, captured):
+    """A study with one dense size at a FLOP budget (make quick) has no fit: the report passes an
+    empty frame, and the figure still draws the size (it raised KeyError 'family')."""
+    points = _profile((1e5,))
+    png = figures.isoflop_profile(points, pd.DataFrame(), tmp_path / "isoflop.png")
+    assert_200_dpi_with_pdf(png)
+    legend = [t.get_text() for t in captured[-1].axes[0].get_legend().get_texts()]
+    assert not any("fit" in t for t in legend) and any(t.startswith("dense at") for t in legend)
+
+
 def test_every_diagnostic_figure_is_200_dpi_with_a_pdf(tmp_path):
     arms = pd.DataFrame(dict(arm=["dense", "sigmoid C=0.125", "sigmoid C=0.25"], variant=["dense", "sigmoid", "sigmoid"],
                              capacity=[1.0, 0.125, 0.25], mean=[2.5, 2.4, 2.45], ci_low=[2.4, 2.3, None],

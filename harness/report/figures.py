@@ -230,7 +230,8 @@ def isoflop_profile(points: pd.DataFrame, fits: pd.DataFrame, png: Path, *, othe
         mean = g.groupby("params")["loss"].mean()
         ax.plot(mean.index, mean.values, "o", mfc="none", color=color, ms=7,
                 label=f"{family} at {budget:.2g} FLOPs: seeds (dots), mean (circle), each size at its best LR")
-        fit = fits[(fits["family"] == family) & (fits["budget"] == budget)]
+        # No fit at all (one dense size: nothing to fit) is an empty frame without columns.
+        fit = fits[(fits["family"] == family) & (fits["budget"] == budget)] if len(fits) else fits
         if not len(fit):
             continue
         f = fit.iloc[0]
