@@ -219,19 +219,28 @@ def profile_block(
         summary["time_ms"] = 1e3 * t_routed
         print(f"fwd+bwd (min of {rounds}): {1e3 * t_routed:.1f} ms", file=out)
 
+    summary["profiled_self_cpu_ms_per_step"] = _print_profile(
+        step, cuda=x.is_cuda, steps=steps, full_numel=batch * seq_len * cfg.width, top=top, sort_by=sort_by,
+        shapes=shapes, out=out)
+    return summary
+
+
+def _print_profile(step: Callable[[], Tensor], *, cuda: bool, steps: int, full_numel: int, top: int, sort_by: str,
+                   shapes: bool, out) -> float:
+    """Profile ``steps`` calls of ``step`` with ``torch.profiler``, print self CPU time by region and
+    the top ops; returns the profiled self CPU milliseconds per step."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
-    if x.is_cuda:
+    if cuda:
         activities.append(ProfilerActivity.CUDA)
     step()  # warm
     with profile(activities=activities, record_shapes=True) as prof:
         for _ in range(steps):
             step()
     by_shape = prof.key_averages(group_by_input_shape=True)
-    regions = region_times(by_shape, full_numel=batch * seq_len * cfg.width)
+    regions = region_times(by_shape, full_numel=full_numel)
     total_self = sum(regions.values())
-    summary["profiled_self_cpu_ms_per_step"] = total_self / 1e3 / steps
     print(f"\ntorch.profiler, {steps} steps of forward + backward: self CPU time per step by region", file=out)
     for name, us in sorted(regions.items(), key=lambda kv: -kv[1]):
         print(f"  {name:<64} {us / 1e3 / steps:8.2f} ms  {us / total_self:6.1%}", file=out)
@@ -244,7 +253,7 @@ def profile_block(
             by_shape.table(sort_by=sort_by, row_limit=top, max_name_column_width=40, max_shapes_column_width=60),
             file=out,
         )
-    return summary
+    return total_self / 1e3 / steps
 
 
 _ROUTING_OPS = {

@@ -175,22 +175,30 @@ def causal_metrics(
         model.train(was_training)
 
 
+def mode_loss(model: GPT, x: Tensor, y: Tensor, batch_size: int, device: torch.device,
+              autocast: torch.autocast | None, mode: str) -> tuple[float, int, int]:
+    """Mean loss per token (nats) over the windows with routing ``mode``, and in causal mode the
+    routed layers' processed and total decisions (0, 0 otherwise)."""
+    loss_sum, count, processed, total = 0.0, 0, 0, 0
+    model.set_collect_stats(mode == "causal")
+    try:
+        for xb, _, out in windowed_forward(model, x, y, batch_size, device, autocast, routing_mode=mode):
+            loss_sum += out.loss.float().item() * xb.numel()
+            count += xb.numel()
+            for s in out.stats:
+                processed += int(s["decide"].sum())
+                total += s["decide"].numel()
+    finally:
+        model.set_collect_stats(False)
+    return loss_sum / count, processed, total
+
+
 def _causal_metrics(model, x, y, batch_size, device, autocast, probe_windows) -> dict[str, float]:
     losses: dict[str, float] = {}
     processed, total = 0, 0
     for mode in ("causal", "dense"):
-        loss_sum, count = 0.0, 0
-        model.set_collect_stats(mode == "causal")
-        try:
-            for xb, _, out in windowed_forward(model, x, y, batch_size, device, autocast, routing_mode=mode):
-                loss_sum += out.loss.float().item() * xb.numel()
-                count += xb.numel()
-                for s in out.stats:
-                    processed += int(s["decide"].sum())
-                    total += s["decide"].numel()
-        finally:
-            model.set_collect_stats(False)
-        losses[mode] = loss_sum / count
+        losses[mode], p, t = mode_loss(model, x, y, batch_size, device, autocast, mode)
+        processed, total = processed + p, total + t
         if not model.routers:
             losses["dense"] = losses["causal"]
             break

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from modbench.model.gpt import GPT
-from modbench.run.causal_eval import causal_metrics
+from modbench.run.causal_eval import causal_metrics, mode_loss
 from modbench.run.windows import windowed_forward
 
 
@@ -110,18 +110,10 @@ def evaluate_causal(
         return {"causal_bpb": topk_bpb, "causal_fraction": 1.0, "causal_gap": 0.0}
     was_training = model.training
     model.eval()  # a training-mode forward would move the routers' calibration
-    model.set_collect_stats(True)
-    loss_sum, count, processed, total = 0.0, 0, 0, 0
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for xb, _, out in windowed_forward(model, x, y, batch_size, device, autocast, routing_mode="causal"):
-                loss_sum += out.loss.float().item() * xb.numel()
-                count += xb.numel()
-                for s in out.stats:
-                    processed += int(s["decide"].sum())
-                    total += s["decide"].numel()
+            loss, processed, total = mode_loss(model, x, y, batch_size, device, autocast, "causal")
     finally:
-        model.set_collect_stats(False)
         model.train(was_training)
-    causal = loss_sum / count / math.log(2)  # as causal_metrics: one series with the final value
+    causal = loss / math.log(2)  # as causal_metrics: one series with the final value
     return {"causal_bpb": causal, "causal_fraction": processed / total if total else 1.0, "causal_gap": causal - topk_bpb}
