@@ -21,7 +21,7 @@ from modbench.model.gpt import GPT, RoutedBlock
 from modbench.config.run import RunConfig, TrainConfig
 from modbench.run.train import train
 
-ALL = variants.list_variants()
+ALL = variants.list_variants() + variants.decode_aliases()  # and every "+aux" decode rule
 ROUTED = [v for v in ALL if variants.get_variant(v).build(8).scope != "none"]
 CFG = ModelConfig(depth=3, n_embd=32, head_dim=8, max_seq_len=32)
 T = 32

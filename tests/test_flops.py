@@ -29,7 +29,7 @@ def counted(model, T, backward=True):
     return fc.get_total_flops() / 2  # per sequence
 
 
-@pytest.mark.parametrize("name", variants.list_variants())
+@pytest.mark.parametrize("name", variants.list_variants() + variants.decode_aliases())
 @pytest.mark.parametrize("capacity,pattern", [(0.25, "alternate"), (0.5, "all")])
 def test_analytic_flops_match_flop_counter(name, capacity, pattern):
     torch.manual_seed(0)

@@ -109,7 +109,7 @@ def test_product_text_cites_public_sources_never_the_internal_seed_documents():
     assert "arXiv:2404.02258" in (root / "README.md").read_text()
 
 
-@pytest.mark.parametrize("name", variants.list_variants())
+@pytest.mark.parametrize("name", variants.list_variants() + variants.decode_aliases())
 def test_every_router_parameter_is_undecayed_and_initialised_by_its_router(name):
     """The optimizer's router group (no weight decay) and ``GPT._init_weights`` pick router parameters
     by identity. mode_integrated's gate is registered under ``block.mlp.gate`` first, which a test on

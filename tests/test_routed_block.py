@@ -9,7 +9,7 @@ from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.errors import ModbenchError
 from modbench.model.gpt import GPT, RoutedBlock
 
-ALL = variants.list_variants()
+ALL = variants.list_variants() + variants.decode_aliases()  # and every "+aux" decode rule
 ROUTED = [v for v in ALL if variants.get_variant(v).build(8).scope != "none"]
 CFG = ModelConfig(depth=3, n_embd=64, head_dim=16, max_seq_len=64)
 B, T = 3, 48

@@ -6,15 +6,19 @@ and methods of the later literature: ``nested`` (hierarchical filtering without 
 (Mixture-of-Recursions' router on a recursive model), ``token_choice``,
 ``threshold`` (Router-Tuning / MoDification), ``expert_threshold`` (Expert-Threshold routing), ``pmod`` (p-MoD's TanhNorm and STRing),
 ``mode_staged`` (MoD with a mixture-of-experts MLP), ``mode_integrated`` (a no-op expert among the
-experts), ``amod`` (A-MoD's attention routing). Add your own with ``@register_variant`` (see README).
+experts), ``amod`` (A-MoD's attention routing). Every fixed-count routed variant also answers to
+"<name>+aux" (``decode_aliases``): the same training, decoded by Raposo et al. 2024 (arXiv:2404.02258)
+§3.5's auxiliary predictor. Add your own with ``@register_variant`` (see README).
 """
 
 from .base import (BudgetController, Provenance, QuantileThreshold, Router, Routing, RunningMean, StepMean, VariantConfig,
                    linear_ramp, topk_membership)
 from .registry import (
+    AUX_SUFFIX,
     ENTRY_POINT_GROUP,
     VariantSpec,
     build_router,
+    decode_aliases,
     get_variant,
     list_variants,
     register_variant,
@@ -24,6 +28,7 @@ from .registry import (
 from . import amod, controls, expert_threshold, learned_temperature, linear_softmax, mlp_skip, mode, mor, nested, norm, pmod, sigmoid, token_choice  # noqa: E402,F401
 
 __all__ = [
+    "AUX_SUFFIX",
     "BudgetController",
     "ENTRY_POINT_GROUP",
     "Provenance",
@@ -35,6 +40,7 @@ __all__ = [
     "VariantConfig",
     "VariantSpec",
     "build_router",
+    "decode_aliases",
     "get_variant",
     "linear_ramp",
     "list_variants",

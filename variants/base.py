@@ -274,6 +274,12 @@ class Router(nn.Module):
         super().__init__()
         self.config = config
         self.collect_stats = False
+        # Raposo et al. 2024 (arXiv:2404.02258) §3.5's second method, on any fixed-count variant (the
+        # "<name>+aux" aliases, ``enable_aux_decoding``): None, or the predictor that then decides at
+        # decode time. (An instance attribute: a class-level None would shadow the registered module.)
+        self.aux_decoder: nn.Module | None = None
+        self.aux_threshold: QuantileThreshold | None = None
+        self.aux_decode_weight = 0.0
 
     # --- the hooks a variant implements -------------------------------------------------
     def score(self, x: Tensor) -> Tensor:
@@ -357,6 +363,70 @@ class Router(nn.Module):
         """(forward, backward) FLOPs per token of scoring, incl. auxiliary predictors."""
         return 0.0, 0.0
 
+    # --- decoding by an auxiliary predictor (the "+aux" aliases) --------------------------
+    def enable_aux_decoding(self, d_model: int, hidden: int, weight: float) -> None:
+        """Decode with Raposo et al. 2024 (arXiv:2404.02258) §3.5's second method: a small MLP on the
+        detached hidden state, trained by BCE against this layer's top-k membership (loss
+        "aux_decode_bce", weight ``weight``), replaces the variant's causal rule (and, for a router
+        that nests its selection, the token must also have been processed by the previous routed
+        layer). The causal *weight* stays the variant's own ``causal_weight``.
+
+        The rule is the predictor's logit ≥ a threshold calibrated like every other causal threshold
+        here (``QuantileThreshold``: the running per-sequence k-th largest predictor logit in training
+        forwards, re-estimated on the final weights by ``calibrate_causal_rules``), so it processes about
+        C of the tokens. modbench's own: the paper thresholds the predictor's probability at 0.5;
+        with only C of the targets positive, a BCE predictor early in training puts every logit below
+        0 (measured: share 0 after 40 steps at C = 0.25, every token skipped).
+
+        The top-k forward is untouched: the predictor's input is detached, so its loss reaches only
+        its own parameters (the trainer also clips its gradient on its own: ``GPT.predictor_parameters``),
+        and it is initialised from a stream of its own (seeded from the global RNG under
+        ``fork_rng``), so a model built with it draws exactly the base variant's initial weights under
+        the same seed."""
+        from .linear_router import AuxPredictor  # linear_router imports nothing from here; keeps base first
+
+        # Nesting routers (nested, mor) AND their own rule with the previous layer's bool decision;
+        # routers reading attention (amod) get an AttentionSummary there instead, which is no decision.
+        self._aux_nests = type(self).decide_causal_given is not Router.decide_causal_given and not self.reads_attention
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(torch.randint(0, 2**62, ())) ^ 0x5EED_A0C5)
+            self.aux_decoder = AuxPredictor(d_model, hidden or max(1, d_model // 2))
+        self.aux_threshold = QuantileThreshold()
+        self.aux_decode_weight = float(weight)
+        # This instance's causal rule (the class's stays the base variant's).
+        self.decide_causal = self._aux_decide_causal
+        self.decide_causal_given = self._aux_decide_causal_given
+
+    def _aux_decide_causal(self, x: Tensor) -> Tensor:
+        return self.aux_threshold(self.aux_decoder(x))
+
+    def _aux_decide_causal_given(self, x: Tensor, previous: object) -> Tensor:
+        decide = self._aux_decide_causal(x)
+        return decide & previous if self._aux_nests and isinstance(previous, Tensor) else decide
+
+    def _aux_decode_loss(self, x: Tensor, scores: Tensor, index: Tensor) -> Tensor:
+        """The predictor's BCE against top-k membership; its per-sequence k-th largest logit feeds the
+        causal threshold (no gradient, no host sync)."""
+        logits = self.aux_decoder(x)
+        self.aux_threshold.update(torch.topk(logits.detach(), index.shape[-1], dim=-1, sorted=False).values.amin(-1))
+        return F.binary_cross_entropy_with_logits(logits, topk_membership(scores, index))
+
+    def loss_weights(self, step: int) -> dict[str, float]:
+        """``aux_weights`` and, with an auxiliary decoder, its BCE's weight: what ``GPT.weighted_aux_loss`` uses."""
+        weights = self.aux_weights(step)
+        if self.aux_decoder is not None:
+            weights = {**weights, "aux_decode_bce": self.aux_decode_weight}
+        return weights
+
+    def scoring_flops(self, d_model: int) -> tuple[float, float]:
+        """``flops_per_token`` plus the auxiliary decoder's (forward, backward) FLOPs, if any: what the
+        model counts as this router's cost per token."""
+        fwd, bwd = self.flops_per_token(d_model)
+        if self.aux_decoder is not None:
+            af, ab = self.aux_decoder.flops(d_model)
+            fwd, bwd = fwd + af, bwd + ab
+        return fwd, bwd
+
     # --- the template every variant shares ----------------------------------------------
     def route(self, x: Tensor, k: int, previous: Tensor | None = None) -> Routing:
         """Top-k of ``score``; ``previous`` is what the previous routed layer processed (see
@@ -371,6 +441,8 @@ class Router(nn.Module):
         if weight is not None:
             weight = weight.unsqueeze(-1)
         aux = self.aux_losses(x, scores, index) if self.training else {}
+        if self.training and self.aux_decoder is not None:
+            aux = {**aux, "aux_decode_bce": self._aux_decode_loss(x, scores, index)}
         stats = self.routing_stats(scores, index) if self.collect_stats else {}
         if self.collect_stats and self.collect_causal:
             stats["causal_decide"] = self.decide_causal_given(x, previous)

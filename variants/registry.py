@@ -15,7 +15,7 @@ import fnmatch
 import importlib.metadata
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
 from modbench.errors import ModbenchError, accepted
@@ -131,7 +131,10 @@ def list_variants(pattern: str = "*") -> list[str]:
 
 
 def get_variant(name: str) -> VariantSpec:
+    """A registered variant's spec, or the derived spec of a "<name>+aux" alias (``decode_aliases``)."""
     _load_plugins()
+    if isinstance(name, str) and name.endswith(AUX_SUFFIX) and name not in _REGISTRY:
+        return _aux_alias(name)
     if name not in _REGISTRY:
         hint = difflib.get_close_matches(name, list(_REGISTRY), n=1)
         suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
@@ -140,6 +143,101 @@ def get_variant(name: str) -> VariantSpec:
             f"{accepted(sorted(_REGISTRY))}"
         )
     return _REGISTRY[name]
+
+
+# --- decode-rule aliases: "<name>+aux" ---------------------------------------------------
+AUX_SUFFIX = "+aux"
+AUX_CITATION = "Raposo et al. 2024 (arXiv:2404.02258) §3.5"
+# Variants whose own causal rule already is an auxiliary predictor on the detached state: "+aux" would
+# only swap one predictor for another of the same method.
+_OWN_AUX_PREDICTOR = {"linear_softmax": "already decodes with that auxiliary predictor"}
+# Options that contradict "+aux" (variant: {option: (refused value, why)}): mor's sampling="aux_router"
+# trains a second detached predictor that decoding would then never read.
+_AUX_REFUSED_OPTIONS = {"mor": {"sampling": ("aux_router", "'+aux' replaces that detached router; keep sampling='aux_loss'")}}
+_ALIASES: dict[str, VariantSpec] = {}
+_ROUTER_KINDS: dict[str, tuple[str, bool]] = {}
+
+
+def _router_kind(spec: VariantSpec) -> tuple[str, bool]:
+    """(scope, variable_count) of a registered variant's routers, as ``VariantSpec.scope`` finds them."""
+    if spec.name not in _ROUTER_KINDS:
+        ret = typing.get_type_hints(spec.builder).get("return")
+        if not (isinstance(ret, type) and issubclass(ret, Router)):
+            import torch
+
+            with torch.random.fork_rng(devices=[]):
+                ret = type(spec.build(8))
+        _ROUTER_KINDS[spec.name] = (spec.scope, bool(ret.variable_count))
+    return _ROUTER_KINDS[spec.name]
+
+
+def _refusal(name: str) -> str | None:
+    """Why the registered variant ``name`` has no "+aux" alias, or None when it has one."""
+    if name in _OWN_AUX_PREDICTOR:
+        return _OWN_AUX_PREDICTOR[name]
+    scope, variable = _router_kind(_REGISTRY[name])
+    if scope == "none":
+        return "routes nothing"
+    if variable:
+        return "routes a variable count (each token decides for itself: its causal rule is its training rule)"
+    return None
+
+
+def decode_aliases(pattern: str = "*") -> list[str]:
+    """The "<name>+aux" names (decoding by Raposo et al. 2024 §3.5's auxiliary predictor) of every
+    registered fixed-count routed variant, matching a shell-style wildcard, sorted. ``list_variants``
+    stays the registered names."""
+    return sorted(a for a in (f"{n}{AUX_SUFFIX}" for n in list_variants() if _refusal(n) is None)
+                  if fnmatch.fnmatchcase(a, pattern))
+
+
+def _aux_alias(name: str) -> VariantSpec:
+    """The derived spec of "<base>+aux" (built once, then cached)."""
+    base_name = name[: -len(AUX_SUFFIX)]
+    if name in _ALIASES:
+        return _ALIASES[name]
+    if base_name not in _REGISTRY or _refusal(base_name) is not None:
+        what = f"unknown variant {name!r}: {base_name!r} is not a registered variant" if base_name not in _REGISTRY \
+            else f"variant {name!r} is refused: {base_name!r} {_refusal(base_name)}"
+        raise ModbenchError(f"{what}; '{AUX_SUFFIX}' variants are {accepted(decode_aliases())}")
+    base = _REGISTRY[base_name]
+    config_cls = _aux_config(base)
+
+    def build(d_model: int, config: VariantConfig) -> Router:
+        router = base.builder(d_model, config)  # first: the base router's initialisation is the base variant's
+        router.enable_aux_decoding(d_model, config.aux_decode_hidden, config.aux_decode_weight)
+        return router
+
+    p = base.provenance
+    provenance = None if p is None else Provenance(p.selection, p.weighting, "paper's recipe",
+                                                   p.citations + ((AUX_CITATION, "secondary"),))
+    spec = VariantSpec(name, build, config_cls, f"{base.source}; decoded by {AUX_CITATION}'s auxiliary predictor",
+                       f"{base.summary.rstrip('.')}; decode: auxiliary MLP predictor (logit > 0)", provenance)
+    _SCOPES[name] = base.scope
+    _ALIASES[name] = spec
+    return spec
+
+
+def _aux_config(base: VariantSpec) -> type[VariantConfig]:
+    """The base variant's config plus the predictor's two options, frozen and validated."""
+    refused = _AUX_REFUSED_OPTIONS.get(base.name, {})
+
+    def __post_init__(self) -> None:
+        if hasattr(base.config_cls, "__post_init__"):
+            base.config_cls.__post_init__(self)
+        if self.aux_decode_hidden < 0:
+            raise ValueError(f"aux_decode_hidden must be >= 0 (0: d_model // 2), got {self.aux_decode_hidden}")
+        if self.aux_decode_weight < 0:
+            raise ValueError(f"aux_decode_weight must be >= 0, got {self.aux_decode_weight}")
+        for option, (value, why) in refused.items():
+            if getattr(self, option) == value:
+                raise ValueError(f"{option}={value!r} is refused with '{AUX_SUFFIX}': {why}")
+
+    return make_dataclass(
+        f"{base.config_cls.__name__}AuxDecoding",
+        [("aux_decode_hidden", int, field(default=0)),  # hidden width of the predictor; 0 means d_model // 2
+         ("aux_decode_weight", float, field(default=1.0))],  # its BCE trains only the predictor (input detached)
+        bases=(base.config_cls,), frozen=True, namespace={"__post_init__": __post_init__, "__module__": __name__})
 
 
 def build_router(name: str, d_model: int, options: Mapping[str, Any] | None = None) -> Router:

@@ -115,7 +115,7 @@ def model_costs(model: GPT, context: float, shares: list[float] | None = None, b
         router = layer.router
         block_params = {id(p) for p in block.parameters()}
         router_w = sum(p.numel() for p in router.parameters() if id(p) not in block_params)
-        router_flops = router.flops_per_token(d)[0]
+        router_flops = router.scoring_flops(d)[0]
         if router.scope == "mlp":  # attention (and the router) on every token, the MLP on the processed ones
             always_flops, always_w, always_kv = router_flops + attn_flops, router_w + attn_w, kv * context
             routed_flops, routed_w, routed_kv = mlp_flops, gate_w, 0.0

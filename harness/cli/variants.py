@@ -10,9 +10,17 @@ from modbench import variants
 from modbench.errors import ModbenchError, accepted
 
 
+# The decode-rule aliases, in one line (they are not registered names: ``variants.decode_aliases``).
+AUX_RULE = (f"any fixed-count routed variant + '{variants.AUX_SUFFIX}' (e.g. amod{variants.AUX_SUFFIX}): decode with "
+            "Raposo et al. 2024 (arXiv:2404.02258) §3.5's auxiliary predictor (options aux_decode_hidden, "
+            "aux_decode_weight; its FLOPs counted)")
+
+
 def describe_variants(pattern: str = "*") -> list[dict]:
+    """The registered variants matching ``pattern``; a pattern naming '+aux' also matches the aliases."""
     rows = []
-    for name in variants.list_variants(pattern):
+    names = variants.list_variants(pattern) + (variants.decode_aliases(pattern) if variants.AUX_SUFFIX in pattern else [])
+    for name in names:
         spec = variants.get_variant(name)
         cfg_fields = {
             f.name: (f.default if f.default is not MISSING else None) for f in fields(spec.config_cls)
@@ -35,7 +43,8 @@ def run(args) -> int:
     rows = describe_variants(args.pattern)
     if not rows:
         raise ModbenchError(
-            f"no variant matches {args.pattern!r}: registered variants are {accepted(variants.list_variants())}"
+            f"no variant matches {args.pattern!r}: registered variants are {accepted(variants.list_variants())}; "
+            f"'{variants.AUX_SUFFIX}' variants are {accepted(variants.decode_aliases())}"
         )
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -50,7 +59,9 @@ def run(args) -> int:
         cfg = "\n".join(f"{k}={v}" for k, v in r["config"].items()) or "-"
         provenance = r["provenance"]["text"] if r["provenance"] else "(not stated)"
         table.add_row(r["name"], r["scope"], r["summary"], r["source"], provenance, cfg)
-    Console(width=max(Console().width, 140)).print(table)
+    console = Console(width=max(Console().width, 140))
+    console.print(table)
+    console.print(AUX_RULE, markup=False, soft_wrap=True)
     return 0
 
 

@@ -393,7 +393,7 @@ class RoutedBlock(nn.Module):
         mlp = self.block.mlp
         gate = mlp.gate_flops(cfg.width) if isinstance(mlp, TopOneMoE) else (0.0, 0.0)
         return flop_math.block_flops(cfg.width, cfg.mlp_ratio, attn_tokens=attn_tokens, mlp_tokens=k, causal=causal,
-                                     router=self.router.flops_per_token(cfg.width), seq_len=seq_len, mlp_gate=gate,
+                                     router=self.router.scoring_flops(cfg.width), seq_len=seq_len, mlp_gate=gate,
                                      attention_summary=self.block.attn.expose)
 
     def forward_causal(self, x: Tensor, cos: Tensor, sin: Tensor, previous: Tensor | None = None) -> LayerOutput:
@@ -503,6 +503,12 @@ class GPT(nn.Module):
         which a test on the parameter's name would miss."""
         return list({id(p): p for r in self.routers for p in r.parameters()}.values())
 
+    def predictor_parameters(self) -> list[nn.Parameter]:
+        """The parameters of the "+aux" routers' decode-time predictors (``Router.enable_aux_decoding``):
+        their input is detached, so nothing of the language model depends on them, and the trainer
+        clips their gradient on its own (a joint norm would let them rescale the LM's update)."""
+        return [p for r in self.routers if r.aux_decoder is not None for p in r.aux_decoder.parameters()]
+
     def _init_weights(self) -> None:
         # GPT-2 init: N(0, 0.02), residual projections scaled by 1/√(2·n_layer), n_layer the *effective*
         # depth: the scaling counts the residual additions a token's stream receives, one per application
@@ -573,7 +579,7 @@ class GPT(nn.Module):
         """Σ_name weight(name, step) · aux[name]: the one path by which aux losses enter."""
         if not aux:
             return None
-        weights = self.routers[0].aux_weights(step)
+        weights = self.routers[0].loss_weights(step)  # incl. an auxiliary decoder's BCE ("+aux")
         total = None
         for name, value in aux.items():
             term = weights.get(name, 0.0) * value

@@ -326,6 +326,17 @@ def _progress_fraction(run: _Run) -> float | None:
     return None if run.step >= run.total_steps else run.step / run.total_steps
 
 
+def _clip_gradients(model: GPT, max_norm: float) -> torch.Tensor:
+    """Clip the language model's gradient norm (returned, for logging); decode-time predictors
+    (``GPT.predictor_parameters``) are clipped on their own, so a "+aux" arm trains the very LM of its
+    base variant."""
+    predictors = model.predictor_parameters()
+    if predictors:
+        torch.nn.utils.clip_grad_norm_(predictors, max_norm)
+    own = {id(p) for p in predictors}
+    return torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if id(p) not in own], max_norm)
+
+
 def _train_step(run: _Run, frac: float) -> bool:
     """One optimizer step over grad_accum micro-batches; returns whether to log after it."""
     t = run.cfg.train
@@ -337,7 +348,7 @@ def _train_step(run: _Run, frac: float) -> bool:
     for micro in range(t.grad_accum):
         _micro_step(run, micro, collect_stats=log_now and micro == 0)
     run.model.set_collect_stats(False)
-    run.grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), t.grad_clip)
+    run.grad_norm = _clip_gradients(run.model, t.grad_clip)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
