@@ -206,3 +206,20 @@ def test_the_threshold_is_the_running_kth_largest_predictor_logit_so_the_share_i
         stats = m.eval()(idx, routing_mode="causal").stats
     shares = [s["decide"].float().mean().item() for s in stats]
     assert all(abs(sh - 0.25) < 0.25 / 2 for sh in shares), shares  # C = 0.25 (``gpt``)
+
+
+@pytest.mark.parametrize("alias", variants.decode_aliases())
+def test_decode_flops_at_the_realised_share_count_the_predictor(alias):
+    """The report's decode FLOPs/token build the model on the meta device (``decode_flops_per_token``):
+    an alias must build there too, and costs its base variant's forward plus the predictor's forward
+    at every routed layer."""
+    from modbench.model.sizing import decode_flops_per_token
+
+    base = alias[: -len(variants.AUX_SUFFIX)]
+    model = ModelConfig(depth=3, n_embd=32, head_dim=8, max_seq_len=32)
+    routed = GPT(model, RoutingConfig(base, capacity=0.25, pattern="MDM")).routers
+    hidden = max(1, model.width // 2)
+    predictor = 2.0 * model.width * hidden + 2.0 * hidden
+    with_aux = decode_flops_per_token(model, RoutingConfig(alias, capacity=0.25, pattern="MDM"), T, 0.2)
+    plain = decode_flops_per_token(model, RoutingConfig(base, capacity=0.25, pattern="MDM"), T, 0.2)
+    assert with_aux == pytest.approx(plain + len(routed) * predictor, rel=1e-12)

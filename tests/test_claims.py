@@ -25,6 +25,7 @@ from modbench.model.sizing import (
 )
 from modbench.report import claims
 from modbench.report.stats import holm
+from scipy import stats
 from modbench.run.train import train
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -204,6 +205,19 @@ def test_each_method_is_compared_with_sigmoid_the_first_as_the_primary_contrast(
     assert found[0].verdict.startswith("reversed: sigmoid is better")
     assert not found[1].verdict.startswith(("supported", "reversed"))  # equal means: no verdict either way
     assert [claims._letters(i) for i in (0, 25, 26, 27)] == ["a", "z", "aa", "ab"]
+    assert "causal − top-k gap: n/a" in found[0].statement  # no top-k validation bpb in this frame
+
+
+def test_each_methods_causal_gap_is_stated_beside_sigmoids_in_its_claim():
+    """Issue 26: each method's causal − top-k gap (val causal − val top-k bpb, mean and t CI over the
+    compared seeds) in the claims table, beside the reference's."""
+    df = frame([("sigmoid", "sigmoid", "", 1.0, 2.40, 2.40), ("amod", "amod", "", 1.0, 2.45, 2.45)])
+    gaps = {"sigmoid": [0.010, 0.020, 0.015, 0.015], "amod": [0.070, 0.080, 0.075, 0.071]}
+    df["val/bpb"] = df["val/causal_bpb"] - [gaps[a][s] for a, s in zip(df["arm"], df["seed"])]
+    found, _ = claims.methods_vs_sigmoid(df)
+    amod = np.array(gaps["amod"])
+    low, high = stats.t.interval(0.95, 3, loc=amod.mean(), scale=stats.sem(amod))
+    assert f"method {amod.mean():+.3f} [{low:+.3f}, {high:+.3f}]; reference +0.015 [" in found[0].statement
 
 
 def test_primary_contrast_is_its_own_family_and_secondary_rows_are_holm_corrected_apart():

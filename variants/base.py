@@ -389,7 +389,8 @@ class Router(nn.Module):
         # routers reading attention (amod) get an AttentionSummary there instead, which is no decision.
         self._aux_nests = type(self).decide_causal_given is not Router.decide_causal_given and not self.reads_attention
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(int(torch.randint(0, 2**62, ())) ^ 0x5EED_A0C5)
+            # an explicit CPU draw: models are also built under a meta-device context (FLOP sizing)
+            torch.manual_seed(int(torch.randint(0, 2**62, (), device="cpu")) ^ 0x5EED_A0C5)
             self.aux_decoder = AuxPredictor(d_model, hidden or max(1, d_model // 2))
         self.aux_threshold = QuantileThreshold()
         self.aux_decode_weight = float(weight)

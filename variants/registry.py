@@ -212,7 +212,7 @@ def _aux_alias(name: str) -> VariantSpec:
     provenance = None if p is None else Provenance(p.selection, p.weighting, "paper's recipe",
                                                    p.citations + ((AUX_CITATION, "secondary"),))
     spec = VariantSpec(name, build, config_cls, f"{base.source}; decoded by {AUX_CITATION}'s auxiliary predictor",
-                       f"{base.summary.rstrip('.')}; decode: auxiliary MLP predictor (logit > 0)", provenance)
+                       f"{base.summary.rstrip('.')}; decode: auxiliary MLP predictor (logit at its calibrated C-quantile)", provenance)
     _SCOPES[name] = base.scope
     _ALIASES[name] = spec
     return spec

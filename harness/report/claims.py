@@ -174,11 +174,17 @@ def _verdict(row: pd.Series, better: str, worse: str) -> str:
 
 def _same_setting_pairs(plain: pd.DataFrame, variant: str, reference: str) -> list[tuple[str, str]]:
     """(arm, reference arm) for each arm of ``variant`` and the ``reference`` variant's arm at the
-    same capacity, pattern and learning rate."""
+    same capacity, pattern and learning rate — or, when the reference has a single arm at that
+    capacity and pattern, that arm whatever its learning rate: in a study with ``[tune]`` the
+    compared rows are each family at its own best value (best against best), so two tuned families
+    rarely share a learning rate, and requiring one would silently drop the comparison."""
     pairs = []
     for _, arm in plain[plain["variant"] == variant].drop_duplicates("arm").iterrows():
-        match = plain[(plain["variant"] == reference) & (plain["capacity"] == arm["capacity"])
-                      & (plain["pattern"] == arm["pattern"]) & (plain["lr_mult"] == arm["lr_mult"])]
+        setting = plain[(plain["variant"] == reference) & (plain["capacity"] == arm["capacity"])
+                        & (plain["pattern"] == arm["pattern"])]
+        match = setting[setting["lr_mult"] == arm["lr_mult"]]
+        if match.empty and setting["arm"].nunique() == 1:
+            match = setting
         if len(match):
             pairs.append((arm["arm"], match["arm"].iloc[0]))
     return pairs
@@ -245,7 +251,8 @@ def mod_vs_best_dense(done: pd.DataFrame, settings: ClaimSettings = ClaimSetting
                       flagged: dict[str, str] | None = None) -> tuple[list[Claim], pd.DataFrame]:
     flagged = flagged or {}
     ok = done[~done["arm"].isin(flagged)]
-    dense_best = _best(ok, (ok["variant"] == "dense") & _plain(ok))
+    vanilla = ok["recursion"].fillna("none") == "none" if "recursion" in ok else True  # a recursive dense model is an arm
+    dense_best = _best(ok, (ok["variant"] == "dense") & _plain(ok) & vanilla)
     bests = {v: _best(ok, (ok["variant"] == v) & _plain(ok)) for v in _learned(ok)}
     pairs = [(best, dense_best) for best in bests.values() if best and dense_best]
     variant = _primary_variant(done, settings)
@@ -408,10 +415,11 @@ def causal_rule(done: pd.DataFrame, settings: ClaimSettings = ClaimSettings(),
                          else "inconclusive: the CI includes chance")
     gap_class = _one_sample_class(first["gap_ci_low"], first["gap_ci_high"], first["gap_tost_p"])
     gap_verdict = {"worse": "the causal rule costs bpb (gap > 0)", "better": "the causal rule is better than top-k (gap < 0)",
-                   "equivalent": f"no gap beyond ±{settings.margin:g} bpb: the {1 - 2 * ALPHA:.0%} CI "
-                                 f"[{_fmt(first['gap_equiv_ci_low'])}, {_fmt(first['gap_equiv_ci_high'])}] lies inside "
-                                 f"the margin (TOST p = {first['gap_tost_p']:.2g})" if settings.margin else "",
-                   "inconclusive": "no gap detected (the CI includes 0)"}[gap_class]
+                   "inconclusive": "no gap detected (the CI includes 0)"}.get(gap_class)
+    if gap_class == "equivalent":  # only then is there a TOST p to print (one seed has none)
+        gap_verdict = (f"no gap beyond ±{settings.margin:g} bpb: the {1 - 2 * ALPHA:.0%} CI "
+                       f"[{_fmt(first['gap_equiv_ci_low'])}, {_fmt(first['gap_equiv_ci_high'])}] lies inside "
+                       f"the margin (TOST p = {first['gap_tost_p']:.2g})")
     claims = [
         Claim("C3a", f"the causal rule of {first['arm']} predicts top-k membership better than chance "
                      f"(agreement {first['agreement']:.3f} vs chance {first['chance']:.3f}; precision {first['precision']:.3f}, "
@@ -447,7 +455,7 @@ def methods_vs_sigmoid(done: pd.DataFrame, settings: ClaimSettings = ClaimSettin
     rows = {(r["arm"], r["reference"]): r for _, r in eff.iterrows()}
     found = []
     for i, (arm, ref) in enumerate(candidates):  # flagged ones keep their sub-id, untested
-        statement = f"{arm} has lower test causal bpb than {ref}"
+        statement = f"{arm} has lower test causal bpb than {ref} (causal − top-k gap: {_gap_text(done, arm, ref)})"
         if (arm, ref) not in rows:
             reasons = "; ".join(f"{a}: {flagged[a]}" for a in (arm, ref) if a in flagged)
             found.append(Claim(f"C4{_letters(i)}", statement, f"not tested: degenerate arm ({reasons})", None, None, None,
@@ -462,6 +470,21 @@ def methods_vs_sigmoid(done: pd.DataFrame, settings: ClaimSettings = ClaimSettin
                       else f"secondary, Holm over {int((eff['family'] == 'secondary').sum())} comparisons"),
             primary=row["family"] == "primary", **_fields(row)))
     return found, eff
+
+
+def _gap_text(done: pd.DataFrame, arm: str, reference: str) -> str:
+    """Each side's causal − top-k validation gap, mean [95 % t CI] over the compared seeds: what
+    decoding by the method's causal rule costs, beside the reference's (issue 26: each method's gap
+    in the claims table)."""
+    parts = []
+    for label, name in (("method", arm), ("reference", reference)):
+        g = done[done["arm"] == name]
+        if not {"val/causal_bpb", "val/bpb"} <= set(g.columns) or g.empty:
+            return "n/a"
+        mean, low, high = _t_interval((g["val/causal_bpb"] - g["val/bpb"]).to_numpy(dtype=float))
+        ci = "" if low is None else f" [{_fmt(low)}, {_fmt(high)}]"
+        parts.append(f"{label} {_fmt(mean)}{ci}")
+    return "; ".join(parts)
 
 
 def _letters(i: int) -> str:
@@ -509,6 +532,8 @@ def _capacity_bounds(row: pd.Series, study: Study) -> tuple[float, float] | None
     cfg = study.run_config(row_arm(row), int(row["seed"]))
     routing = cfg.routing
     ends = (routing.capacity, routing.capacity if routing.capacity_first is None else routing.capacity_first)
+    if routing.capacities:  # per recursion step (mor): the loosest bounds over the steps
+        ends = (min(routing.capacity_list), max(routing.capacity_list))
     caps = [CapacitySchedule(c, routing.schedule, cfg.model.max_seq_len).effective(cfg.train.seq_len) for c in ends]
     return None if min(caps) >= 1.0 else (min(caps), max(caps))
 
