@@ -222,7 +222,7 @@ def routed_model(name: str, mode: str, n_r: int, depth: int) -> GPT:
     return m.eval()
 
 
-@pytest.mark.parametrize("name", ["dense", "sigmoid", "nested", "mor"])
+@pytest.mark.parametrize("name", ["dense", "sigmoid", "nested", "mor", "mor_token_choice"])
 @pytest.mark.parametrize("mode, n_r, depth", [("cycle", 2, 2), ("middle_cycle", 3, 5)])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_cached_generation_equals_the_causal_forward(name, mode, n_r, depth, batch):
@@ -246,7 +246,7 @@ def test_every_variant_on_a_recursive_model_decodes_as_its_causal_pass(name):
     torch.testing.assert_close(out.logits, m(out.tokens[:, :-1], routing_mode="causal").logits, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["sigmoid", "nested", "mor"])
+@pytest.mark.parametrize("name", ["sigmoid", "nested", "mor", "mor_token_choice"])
 def test_causal_mode_of_a_recursive_model_never_looks_ahead(name):
     m = routed_model(name, "middle_cycle", 3, 5)
     idx = torch.randint(0, 256, (2, T))
@@ -399,8 +399,180 @@ def test_mor_bad_options_are_one_line_errors(options, expected):
         variants.get_variant("mor").make_config(options)
 
 
+# --- mor_token_choice: the depth chosen up front ------------------------------------------------
+def tc_model(min_depth: int = 1, capacities: str = "1,1/2,1/2", capacity: float = 0.5, **options) -> GPT:
+    """Middle-Cycle, N_R = 3, a one-layer block, its three applications routed. By default every step
+    has T slots (k = 16, slack 3): no overflow."""
+    torch.manual_seed(0)
+    m = GPT(cfg("middle_cycle", 3, 5), RoutingConfig("mor_token_choice", capacity=capacity, capacities=capacities,
+                                                       pattern="fixed:1,1", options={"min_depth": min_depth, **options}))
+    torch.nn.init.normal_(m.routers[0].depth_router.weight, std=0.5)  # a spread of depths at initialisation
+    return m
+
+
+def first_routed_input(m: GPT, idx: torch.Tensor) -> torch.Tensor:
+    return m.layers[0](m.embed(idx), m.rope_cos, m.rope_sin).x
+
+
+@pytest.mark.parametrize("min_depth", [0, 1])
+def test_mor_token_choice_steps_follow_the_depth_chosen_at_the_first_step(min_depth):
+    """One router (N = 3 + 1 − min_depth outputs) at the first step; step s processes exactly the tokens
+    whose depth d = min_depth + argmax r exceeds s, so a token processed at s was processed at s − 1."""
+    m = tc_model(min_depth)
+    first, *later = m.routers
+    assert first.depth_router.out_features == 4 - min_depth and all(r.depth_router is None for r in later)
+    assert [sum(p.numel() for p in r.parameters()) for r in later] == [0, 0]
+    idx = torch.randint(0, 256, (3, T))
+    m.set_collect_stats(True)
+    with torch.no_grad():
+        stats = m(idx, idx).stats
+        depth = min_depth + (first_routed_input(m, idx) @ first.depth_router.weight.T).argmax(-1)
+    processed = [s["layer_processed"] for s in stats]
+    for step, p in enumerate(processed):
+        assert torch.equal(p, depth > step)
+        assert stats[step]["overflow"] == 0
+    for before, after in zip(processed, processed[1:]):
+        assert not (after & ~before).any()
+    assert processed[0].all() == (min_depth == 1) and processed[2].any() and not processed[2].all()
+    assert stats[0]["mean_depth"] == pytest.approx(depth.float().mean().item())
+
+
+def released_token_choice(x_in, weight, block, cos, sin, steps):
+    """The released code's arithmetic (raymin0223/mixture_of_recursions token_choice_router.py,
+    MoRLlamaDecoderLayer.forward: softmax router, α = 1, gating "weighted", no KV sharing), per sequence:
+    token i runs blocks 0 … e (e its top-1 expert); steps before e replace its state by the block's
+    output, step e adds g·output to the layer's input (``final_x``)."""
+    probs = torch.softmax(x_in @ weight.T, -1)
+    expert = probs.argmax(-1)
+    gate = probs.gather(-1, expert.unsqueeze(-1))
+    final, x = x_in.clone(), x_in.clone()
+    for step in range(steps):
+        updates = x.clone()
+        for b in range(x.shape[0]):
+            sel = (expert[b] >= step).nonzero().squeeze(1)
+            if not sel.numel():
+                continue
+            sub = x[b, sel].unsqueeze(0)
+            out = (sub + block.delta(sub, cos[sel][None, None], sin[sel][None, None]))[0]
+            done, going = expert[b, sel] == step, expert[b, sel] > step
+            final[b, sel[done]] = x_in[b, sel[done]] + gate[b, sel[done]] * out[done]
+            updates[b, sel[going]] = out[going]
+        x = updates
+    return final
+
+
+@pytest.mark.parametrize("routing_mode", ["topk", "causal"])
+def test_mor_token_choice_weights_the_output_as_the_released_code(routing_mode):
+    m = tc_model(1).eval()
+    idx = torch.randint(0, 256, (3, T))
+    cos, sin = m.rope_cos[:T], m.rope_sin[:T]
+    with torch.no_grad():
+        x = x_in = first_routed_input(m, idx)
+        expected = released_token_choice(x_in, m.routers[0].depth_router.weight, m.layers[1].block, cos, sin, 3)
+        previous = None
+        for layer in m.layers[1:4]:
+            out = layer(x, cos, sin, previous) if routing_mode == "topk" else layer.forward_causal(x, cos, sin, previous)
+            x, previous = out.x, out.handoff
+    assert 0 < previous.depth.eq(1).sum() and 0 < previous.depth.eq(3).sum()  # exits at the first and the last step
+    torch.testing.assert_close(x, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_mor_token_choice_balancing_and_z_losses_are_the_codes():
+    """balancing == "loss": N·Σᵢ fᵢ·Pᵢ, fᵢ the share choosing i (bincount), Pᵢ the mean of α·softmax(r)ᵢ;
+    z-loss mean(logsumexp(r)²); weights coeff 0.1 and z_coeff 1e-5 (the released token config)."""
+    m = tc_model(1)
+    router = m.routers[0]
+    idx = torch.randint(0, 256, (4, T))
+    out = m(idx, idx)
+    with torch.no_grad():
+        logits = first_routed_input(m, idx) @ router.depth_router.weight.T
+    probs = torch.softmax(logits, -1)
+    f = 3 * torch.bincount(logits.argmax(-1).flatten(), minlength=3) / logits[..., 0].numel()
+    # (summed over the routed layers: equal to the first step's alone, as only it chooses)
+    torch.testing.assert_close(out.aux_losses["balance"], (probs.mean((0, 1)) * f).sum())
+    torch.testing.assert_close(out.aux_losses["router_z"], torch.logsumexp(logits, -1).square().mean())
+    assert router.aux_weights(0) == {"balance": 0.1, "router_z": 1e-5}
+    grads = torch.autograd.grad(out.aux_losses["balance"], router.depth_router.weight)
+    assert grads[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("min_depth", [0, 1])
+def test_mor_token_choice_decides_causally_as_it_trains(min_depth):
+    """The depth comes from the token's own state at the first step: the causal pass processes exactly
+    the top-k forward's tokens and gives its logits (no train/decode gap), and decoding is that pass."""
+    m = tc_model(min_depth).eval()
+    idx = torch.randint(0, 256, (3, T))
+    m.set_collect_stats(True)
+    with torch.no_grad():
+        top, causal = m(idx), m(idx, routing_mode="causal")
+    assert [s["overflow"].item() for s in top.stats] == [0.0] * 3
+    assert all(torch.equal(a["layer_processed"], b["decide"]) for a, b in zip(top.stats, causal.stats))
+    torch.testing.assert_close(top.logits, causal.logits, atol=1e-6, rtol=1e-6)
+    m.set_collect_stats(False)
+    for batch in (1, 3):
+        prompt = torch.randint(0, 256, (batch, 5), generator=torch.Generator().manual_seed(batch))
+        out = generate(m, prompt, 12, temperature=0, return_logits=True)
+        torch.testing.assert_close(out.logits, m(out.tokens[:, :-1], routing_mode="causal").logits, atol=1e-5, rtol=1e-5)
+        assert out.processed_shares[0] == (1.0 if min_depth else out.processed_shares[0]) and out.skipped_fraction > 0
+
+
+def test_mor_token_choice_overflow_drops_tokens_but_keeps_the_nesting():
+    """Fewer slots than eligible tokens (slack 1, capacity 1/4): the top-k forward drops some (the
+    ``overflow`` statistic), each step still nests in the previous one, and it processes a subset of
+    what the causal rule (no slots) processes — the only train/decode difference."""
+    m = tc_model(0, capacities="", capacity=0.25, slack=1.0)
+    idx = torch.randint(0, 256, (3, T))
+    m.set_collect_stats(True)
+    with torch.no_grad():
+        top, causal = m(idx).stats, m(idx, routing_mode="causal").stats
+    assert sum(s["overflow"].item() for s in top) > 0
+    assert all(int(s["layer_processed"].sum(-1).max()) <= 8 for s in top)  # k_max = ⌈1 · ⌊T/4⌋⌉
+    for a, b in zip(top, top[1:]):
+        assert not (b["layer_processed"] & ~a["layer_processed"]).any()
+    for a, b in zip(top, causal):
+        assert not (a["layer_processed"] & ~b["decide"]).any()
+    assert any(not torch.equal(a["layer_processed"], b["decide"]) for a, b in zip(top, causal))
+
+
+def test_mor_token_choice_trains_with_sane_per_step_shares(tmp_cwd):
+    """A short run through the trainer (the released recipe: min_depth 1, capacities 1, 2/3, 1/3): the
+    first step takes every token, the later ones a nested, non-trivial share, and the evaluation finds no
+    gap between the top-k and the causal (decode-time) model."""
+    from modbench.run.train import train
+
+    routing = RoutingConfig("mor_token_choice", capacity=1 / 3, capacities="1,2/3,1/3", pattern="fixed:1,1",
+                            options={"min_depth": 1})
+    t = TrainConfig(dataset="arithmetic", seq_len=T, batch_size=8, budget="steps=30", eval_every=1000, log_every=5,
+                    eval_windows=8, track=False, out_dir="runs", lr=3e-3)
+    result = train(RunConfig(cfg("middle_cycle", 3, 5), routing, t), progress=False)
+    shares = [[h[f"route/L{i}/fraction"] for i in (1, 2, 3)] for h in result.history if "route/L1/fraction" in h]
+    assert len(shares) == 6
+    for first, second, third in shares:
+        assert first == 1.0 and 1.0 >= second >= third >= 0.0
+    first, second, third = shares[-1]
+    assert 0.0 < third <= second < 1.0
+    assert result.val["causal_gap"] == pytest.approx(0.0, abs=1e-6) and result.val["bpb"] < 8.0
+    assert 0.0 < result.val["causal_fraction"] < 1.0
+
+
+@pytest.mark.parametrize("options, expected", [({"router_func": "tanh"}, "router_func must be one of 'softmax', 'sigmoid'"),
+                                               ({"min_depth": 2}, "min_depth must be 0 or 1"),
+                                               ({"slack": 0.5}, "slack must be in [1, 64]"),
+                                               ({"balance_weight": -1.0}, "balance_weight must be >= 0")])
+def test_mor_token_choice_bad_options_are_one_line_errors(options, expected):
+    with pytest.raises(ModbenchError) as e:
+        variants.get_variant("mor_token_choice").make_config(options)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+def test_mor_token_choice_min_depth_one_needs_two_routed_layers():
+    with pytest.raises(ModbenchError) as e:
+        GPT(cfg("middle_cycle", 3, 5), RoutingConfig("mor_token_choice", 0.5, pattern="fixed:2,2", options={"min_depth": 1}))
+    assert "needs at least 2 routed layers, got 1" in str(e.value) and "\n" not in str(e.value)
+
+
 # --- KV bytes from the valid cache slots --------------------------------------------------------
-@pytest.mark.parametrize("name", ["dense", "mor", "sigmoid"])
+@pytest.mark.parametrize("name", ["dense", "mor", "sigmoid", "mor_token_choice"])
 def test_kv_bytes_count_the_valid_slots_not_the_allocation(name):
     """Dense: every layer caches every token, 2·d values each. Routed: each routed application caches
     only the tokens it processed (what the causal pass decides), so fewer bytes than dense."""

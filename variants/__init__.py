@@ -3,7 +3,8 @@
 Built in: the seed recipes ``norm``, ``linear_softmax``, ``sigmoid``, ``learned_temperature``,
 ``mlp_skip``; the baseline ``dense`` and the controls ``random``, ``random_gated``, ``random_mlp``;
 and methods of the later literature: ``nested`` (hierarchical filtering without weight sharing), ``mor``
-(Mixture-of-Recursions' router on a recursive model), ``token_choice``,
+(Mixture-of-Recursions' expert-choice router on a recursive model), ``mor_token_choice`` (its
+token-choice router: each token's recursion depth chosen up front), ``token_choice``,
 ``threshold`` (Router-Tuning / MoDification), ``expert_threshold`` (Expert-Threshold routing), ``pmod`` (p-MoD's TanhNorm and STRing),
 ``mode_staged`` (MoD with a mixture-of-experts MLP), ``mode_integrated`` (a no-op expert among the
 experts), ``amod`` (A-MoD's attention routing). Every fixed-count routed variant also answers to
@@ -25,7 +26,8 @@ from .registry import (
 )
 
 # Importing the modules registers the built-in variants.
-from . import amod, controls, expert_threshold, learned_temperature, linear_softmax, mlp_skip, mode, mor, nested, norm, pmod, sigmoid, token_choice  # noqa: E402,F401
+from . import (amod, controls, expert_threshold, learned_temperature, linear_softmax, mlp_skip, mode,  # noqa: E402,F401
+               mor, mor_token_choice, nested, norm, pmod, sigmoid, token_choice)
 
 __all__ = [
     "AUX_SUFFIX",

@@ -164,17 +164,9 @@ def planned_trials(study) -> int:
 
 
 def _derived_controls(study) -> int:
-    """The control arms ``study.controls`` derive: one per kind for each routed shape of [space]
-    (the iso-token control only at a FLOP budget)."""
-    from modbench.config.budget import Budget
-
-    wanted = study.settings.controls
-    shapes = {(a.capacity, a.capacity_first, a.pattern, a.schedule, a.depth, a.width, a.budget, a.lr_mult)
-              for a in study.main_arms() if a.variant != "dense"}
-    controls = len(shapes) if "matched_dense" in wanted else 0
-    if "iso_token_dense" in wanted:
-        controls += sum(Budget.parse(shape[6]).kind == "flops" for shape in shapes)
-    return controls
+    """The control arms ``study.controls`` derive (``Study.derived_control_count``: counted without
+    building a model, so listing stays fast)."""
+    return study.derived_control_count()
 
 
 def show_study(args) -> int:

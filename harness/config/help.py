@@ -28,6 +28,8 @@ MODEL = {
                  "'middle_cycle' (first and last layers unshared; Mixture-of-Recursions' default); --depth stays "
                  "the effective depth",
     "recursions": "N_R, applications of the shared block: 2, 3 or 4 with --recursion (1 without)",
+    "kv_sharing": "recursive KV sharing (Mixture-of-Recursions §2.3): every later application of the shared block "
+                  "attends to the keys and values of its first application and caches none of its own; needs --recursion",
 }
 
 ROUTING = {

@@ -76,10 +76,17 @@ class ModelConfig:
     rope_base: float = bounded(10000.0, 1.0, 1e12, low_open=True)
     recursion: str = "none"  # weight sharing: 'none', 'cycle' or 'middle_cycle' (MoR's)
     recursions: int = bounded(1, 1, 4)  # N_R: applications of the shared block (1 without recursion)
+    # Recursive KV sharing (MoR §2.3): every later application of the shared block attends to the keys and
+    # values its first application computed, and computes none of its own (``modbench.model.gpt.KVShare``).
+    # False: each application computes and caches its own (recursion-wise caching, MoR §2.2).
+    kv_sharing: bool = False
 
     def __post_init__(self) -> None:
         check_bounds(self, "model")
         self._check_recursion()
+        if self.kv_sharing and self.recursion == "none":
+            raise ModbenchError("model.kv_sharing needs a shared block: set model.recursion to 'cycle' or "
+                                "'middle_cycle', or kv_sharing to false")
         if self.width > 65536:
             raise ModbenchError(f"model width {self.width} (depth × aspect_ratio) is out of range: expected at most 65536")
         if self.heads > self.width:

@@ -13,7 +13,9 @@
                                  #   "matched_dense": a dense model whose FLOPs per token are within
                                  #     3 % of the routed arm's (shallower and/or narrower), same budget;
                                  #   "iso_token_dense": the base dense model trained on as many
-                                 #     tokens as the routed arm (more FLOPs; flops budgets only)
+                                 #     tokens as the routed arm (more FLOPs; flops budgets only);
+                                 #   "param_matched_dense": for each recursive arm, the vanilla
+                                 #     model with its parameters (its physical depth, same width)
     claims = []                  # claims the report tests, with verdicts and summary.json
                                  # (modbench.report.claims): "mod_vs_best_dense",
                                  # "learned_vs_random", "causal_rule", "methods_vs_sigmoid"
@@ -33,6 +35,10 @@
     capacity_first = [0.0]       # capacity of the first routed layer, decaying to `capacity` over
                                  # depth (p-MoD's progressive decay; 0: every layer at `capacity`)
     budget   = ["flops=1e13"]    # training budgets (iso-FLOP studies)
+    recursion  = ["none"]        # weight sharing (ModelConfig.recursion): none | cycle | middle_cycle
+    recursions = [3]             # N_R of a recursive arm (2, 3 or 4; ignored by recursion "none")
+    capacities = ["1,2/3,1/3"]   # mor only: one capacity per routed layer (RoutingConfig.capacities);
+                                 #   the arm's capacity is the last entry ("": `capacity` decides)
 
     [[space.also]]               # more grids, unioned with [space]; a key left out takes [space]'s list
     variant = ["dense"]          #   e.g. a dense size sweep for the isoFLOP-optimal dense baseline
@@ -52,8 +58,9 @@
     positive_control = "flops=3.5e12"  # mod_vs_best_dense only: the best dense model also trained at this
                                  #   smaller budget, a contrast whose sign is known (it must come out "worse")
 
-An *arm* is one point of the space; ``dense`` ignores capacity, pattern and schedule, so all
-dense points with the same depth, width, budget and lr_mult collapse into one arm. Control arms
+An *arm* is one point of the space; ``dense`` ignores capacity, pattern, schedule and capacities,
+so all dense points with the same depth, width, budget, lr_mult and recursion collapse into one
+arm; recursion "none" ignores recursions. Control arms
 (``study.controls``) are sized by the model's analytic FLOPs, so they are derived one layer up,
 in ``modbench.model.sizing`` (``study_arms``): this module only declares them.
 """
@@ -71,7 +78,7 @@ from modbench import variants
 
 from modbench.config.budget import Budget
 from modbench.config.capacity import check_capacity
-from modbench.config.model import ModelConfig, RoutingConfig
+from modbench.config.model import RECURSION_MODES, RECURSIONS, ModelConfig, RoutingConfig
 from modbench.config.io import from_mapping, read_toml
 from modbench.errors import ModbenchError, accepted
 from modbench.results import ALIASES, metric
@@ -83,12 +90,16 @@ SAMPLERS = ("grid", "tpe", "nsga2", "random")
 PRUNERS = ("none", "median", "hyperband")
 # Study objectives are declared metrics of modbench.results (old spellings such as val_bpb are aliases).
 OBJECTIVES = ("val/bpb", "val/causal_bpb", "test/bpb", "test/causal_bpb", "perf/flops_per_token", "perf/train_tokens_per_s")
-SPACE_KEYS = ("variant", "capacity", "pattern", "schedule", "lr_mult", "depth", "budget", "width", "capacity_first")
+SPACE_KEYS = ("variant", "capacity", "pattern", "schedule", "lr_mult", "depth", "budget", "width", "capacity_first",
+              "recursion", "recursions", "capacities")
 SPACE_DEFAULTS: dict[str, list[Any]] = {
     "variant": ["dense"], "capacity": [0.125], "pattern": ["alternate"], "schedule": ["constant"],
     "lr_mult": [1.0], "depth": [], "budget": [], "width": [0], "capacity_first": [0.0],
+    "recursion": [], "recursions": [], "capacities": [""],  # recursion(s): the [model]'s, like depth
 }
-CONTROLS = ("matched_dense", "iso_token_dense")
+RECURSION_KEYS = ("recursion", "recursions", "capacities")  # grid studies only (suggest_arm samples none of them)
+CAPACITIES_VARIANTS = ("mor",)  # per-step capacities are Mixture-of-Recursions' (variants/mor.py)
+CONTROLS = ("matched_dense", "iso_token_dense", "param_matched_dense")
 CLAIMS = ("mod_vs_best_dense", "learned_vs_random", "causal_rule", "methods_vs_sigmoid")  # see modbench.report.claims
 TOP_KEYS = ("study", "model", "train", "options", "space", "tune", "claims")
 
@@ -145,13 +156,29 @@ class Arm:
     width: int = 0  # 0: the [model] width
     control: str = ""  # for a derived control arm: what it controls ("matched to sigmoid C=0.125 alternate")
     capacity_first: float = 0.0  # 0: every routed layer at `capacity` (RoutingConfig.capacity_first None)
+    recursion: str = "none"  # ModelConfig.recursion: weight sharing over depth
+    recursions: int = 1  # ModelConfig.recursions: N_R (1 without recursion)
+    capacities: str = ""  # RoutingConfig.capacities: one capacity per routed layer ("": `capacity`)
+
+    @property
+    def capacity_text(self) -> str:
+        """"C=0.125", "C=0.25→0.125" (decaying over depth) or "C=1,2/3,1/3" (one per routed layer)."""
+        if self.capacities:
+            return f"C={self.capacities}"
+        return f"C={self.capacity_first:g}→{self.capacity:g}" if self.capacity_first else f"C={self.capacity:g}"
+
+    @property
+    def recursion_text(self) -> str:
+        """"middle_cycle N_R=3" for a recursive arm, "" otherwise."""
+        return "" if self.recursion == "none" else f"{self.recursion} N_R={self.recursions}"
 
     @property
     def label(self) -> str:
         parts = [self.variant]
         if self.variant != "dense":
-            cap = f"C={self.capacity_first:g}→{self.capacity:g}" if self.capacity_first else f"C={self.capacity:g}"
-            parts += [cap, self.pattern] + (["log"] if self.schedule == "log" else [])
+            parts += [self.capacity_text, self.pattern] + (["log"] if self.schedule == "log" else [])
+        if self.recursion_text:
+            parts.append(self.recursion_text)
         if self.width:
             parts.append(f"L{self.depth} d{self.width}")
         if self.lr_mult != 1.0:
@@ -165,11 +192,30 @@ class Arm:
 
 
 def canonical_arm(variant: str, capacity: float, pattern: str, schedule: str, lr_mult: float, depth: int, budget: str,
-                  width: int = 0, capacity_first: float = 0.0, control: str = "") -> Arm:
+                  width: int = 0, capacity_first: float = 0.0, control: str = "", recursion: str = "none",
+                  recursions: int = 1, capacities: str = "") -> Arm:
+    """The arm of a point; settings an arm ignores take one value, so points that differ only in
+    them are one arm: dense ignores capacity, pattern, schedule and capacities; recursion "none"
+    ignores recursions; with capacities, the capacity is its last entry (RoutingConfig's rule)."""
     if variant == "dense":
-        capacity, pattern, schedule, capacity_first = 1.0, "-", "constant", 0.0
+        capacity, pattern, schedule, capacity_first, capacities = 1.0, "-", "constant", 0.0, ""
+    if recursion == "none":
+        recursions = 1
+    if capacities:
+        capacity = capacity_values(capacities)[-1]
     return Arm(variant, float(capacity), pattern, schedule, float(lr_mult), int(depth), budget, int(width), control,
-               float(capacity_first))
+               float(capacity_first), recursion, int(recursions), capacities)
+
+
+def capacity_values(capacities: str) -> tuple[float, ...]:
+    """A ``capacities`` list parsed as the routing config parses it ("1,2/3,1/3" → 1, 0.667, 0.333)."""
+    last = capacities.split(",")[-1].strip()
+    num, slash, den = last.partition("/")
+    try:
+        value = float(num) / float(den) if slash else float(num)
+    except (ValueError, ZeroDivisionError):
+        value = 1.0  # a bad last entry: RoutingConfig names it below
+    return RoutingConfig(capacity=value, capacities=capacities).capacity_list
 
 
 @dataclass(frozen=True)
@@ -216,13 +262,31 @@ class Study:
         return " ".join(parts)
 
     def run_config(self, arm: Arm, seed: int, **train_overrides: Any) -> RunConfig:
-        model = replace(self.base.model, depth=arm.depth)
+        model = replace(self.base.model, depth=arm.depth, recursion=arm.recursion, recursions=arm.recursions,
+                        kv_sharing=self.base.model.kv_sharing and arm.recursion != "none")  # sharing needs recursion
         if arm.width:
             model = replace(model, n_embd=arm.width, n_head=heads_for(arm.width, self.base.model))
         routing = RoutingConfig(arm.variant, arm.capacity, arm.schedule, arm.pattern if arm.pattern != "-" else "alternate",
-                                dict(self.options.get(arm.variant, {})), arm.capacity_first or None)
+                                dict(self.options.get(arm.variant, {})), arm.capacity_first or None,
+                                capacities=arm.capacities)
         train = replace(self.base.train, seed=seed, budget=arm.budget, lr=self.base.train.lr * arm.lr_mult, **train_overrides)
         return RunConfig(model, routing, train)
+
+    def derived_control_count(self) -> int:
+        """How many control arms ``study.controls`` derive (``modbench.model.sizing.control_arms``),
+        counted without building a model (``modbench study list`` must be instant): one per kind
+        for each routed shape of [space] (the iso-token control only at a FLOP budget), and one
+        param-matched model for each recursive shape of [space] (its physical depth and width)."""
+        wanted, arms = self.settings.controls, self.main_arms()
+        shapes = {(a.capacity, a.capacity_first, a.pattern, a.schedule, a.depth, a.width, a.budget, a.lr_mult,
+                   a.recursion, a.recursions, a.capacities) for a in arms if a.variant != "dense"}
+        count = len(shapes) if "matched_dense" in wanted else 0
+        if "iso_token_dense" in wanted:
+            count += sum(Budget.parse(shape[6]).kind == "flops" for shape in shapes)
+        if "param_matched_dense" in wanted:
+            models = {a: self.run_config(a, self.settings.seeds[0]).model for a in arms if a.recursion != "none"}
+            count += len({(m.physical_layers, m.width, m.layers, a.recursion_text, a.budget, a.lr_mult) for a, m in models.items()})
+        return count
 
 
 def heads_for(width: int, base: ModelConfig) -> int:
@@ -235,7 +299,7 @@ def heads_for(width: int, base: ModelConfig) -> int:
 def _grid(space: dict[str, Any]) -> list[Arm]:
     seen: dict[Arm, None] = {}
     for combo in itertools.product(*(space[k] for k in SPACE_KEYS)):
-        seen.setdefault(canonical_arm(*combo), None)
+        seen.setdefault(canonical_arm(**dict(zip(SPACE_KEYS, combo))), None)
     return list(seen)
 
 
@@ -346,7 +410,8 @@ def load_study(path: str | Path) -> Study:
         raise _fail(p, "space", f"is empty: give at least 'variant'; accepted keys are {accepted(SPACE_KEYS)}")
     space_raw = dict(space_raw)
     also_raw = space_raw.pop("also", [])
-    defaults = {**SPACE_DEFAULTS, "depth": [base.model.depth], "budget": [base.train.budget]}
+    defaults = {**SPACE_DEFAULTS, "depth": [base.model.depth], "budget": [base.train.budget],
+                "recursion": [base.model.recursion], "recursions": [base.model.recursions]}
     space = _parse_space(p, "space", space_raw, defaults, base)
     if not isinstance(also_raw, list) or not all(isinstance(t, dict) and t for t in also_raw):
         raise _fail(p, "space.also", "expected [[space.also]] tables, each a grid such as variant = [\"dense\"], depth = [2, 4]")
@@ -359,10 +424,17 @@ def load_study(path: str | Path) -> Study:
                     "[[space.also]] grids and controls need sampler = \"grid\"")
     if settings.sampler != "grid" and settings.n_trials < 1:
         raise _fail(p, "study.n_trials", f"sampler {settings.sampler!r} needs n_trials >= 1 (arms to sample)")
+    sampled_fixed = [k for k in RECURSION_KEYS if k in space_raw and space[k] != defaults[k]]
+    if settings.sampler != "grid" and sampled_fixed:
+        raise _fail(p, f"space.{sampled_fixed[0]}", f"sampler {settings.sampler!r} samples variant, capacity, pattern, "
+                    "schedule, lr_mult, depth and budget only: recursive arms need sampler = \"grid\"")
     tune = _load_tune(p, raw.get("tune"), settings, [("space", space_raw)] + [(f"space.also[{i}]", t) for i, t in enumerate(also_raw)])
     claim_settings = _load_claims(p, raw.get("claims"), settings, tune, [space, *also], base.train.budget)
     digest = hashlib.sha256(p.read_bytes()).hexdigest()
     study = Study(p, settings, base, options, space, digest, also, tune, claim_settings)
+    if "param_matched_dense" in settings.controls and not any(a.recursion != "none" for a in study.main_arms()):
+        raise _fail(p, "study.controls", "'param_matched_dense' is the vanilla model with a recursive arm's parameters: "
+                                         "[space] has no recursive arm (recursion 'cycle' or 'middle_cycle')")
     if settings.sampler == "grid":
         for arm in study.arms():  # build every arm's config once, through the one loader: bad ones fail now
             try:
@@ -492,7 +564,47 @@ def _parse_space(p: Path, where: str, raw: dict[str, Any], defaults: dict[str, A
     space["budget"] = choices("budget", _budget)
     space["width"] = choices("width", _width_for(base))
     space["capacity_first"] = choices("capacity_first", lambda v: 0.0 if v == 0 and v is not False else check_capacity(v))
+    space["recursion"] = choices("recursion", _recursion)
+    space["recursions"] = choices("recursions", _recursions)
+    space["capacities"] = choices("capacities", _capacities)
+    _check_capacities_variants(p, where, raw, space)
     return space
+
+
+def _recursion(v: Any) -> str:
+    if v not in RECURSION_MODES:
+        raise ModbenchError(f"recursion {v!r} is unknown: expected {accepted(RECURSION_MODES)}")
+    return v
+
+
+def _recursions(v: Any) -> int:
+    if isinstance(v, bool) or v not in (1, *RECURSIONS) or not isinstance(v, int):
+        raise ModbenchError(f"recursions {v!r} is not accepted: expected N_R = {accepted(RECURSIONS)} "
+                            "(or 1, which recursion 'none' takes)")
+    return v
+
+
+def _capacities(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ModbenchError(f"capacities {v!r} is not a string such as '1,2/3,1/3' (or '' for none)")
+    text = ",".join(item.strip() for item in v.split(",")) if v.strip() else ""
+    if text:
+        capacity_values(text)  # RoutingConfig's parse: each entry a fraction in (0, 1]
+    return text
+
+
+def _check_capacities_variants(p: Path, where: str, raw: dict[str, Any], space: dict[str, Any]) -> None:
+    """Per-step capacities are Mixture-of-Recursions' (one per recursion step): a grid that gives
+    them to another routed variant is refused rather than quietly running a per-layer schedule
+    nobody declared for it (dense ignores capacities, as it ignores capacity)."""
+    if not any(space["capacities"]):
+        return
+    others = [v for v in space["variant"] if v != "dense" and v not in CAPACITIES_VARIANTS]
+    if others:
+        inherited = "" if "capacities" in raw or where == "space" else " (a key left out takes [space]'s list)"
+        raise _fail(p, f"{where}.capacities", f"{space['capacities']!r} would apply to variant {accepted(others)}{inherited}: "
+                                              f"per-step capacities are for {accepted(CAPACITIES_VARIANTS)}; give the "
+                                              "other variants their own grid with capacities = [\"\"]")
 
 
 def _width_for(base: RunConfig):

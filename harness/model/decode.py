@@ -60,6 +60,10 @@ class LayerCache:
         # True while every sequence holds the same number of slots (= bound): then appends are
         # slice writes and a one-token query needs no mask. Always true for one sequence.
         self.uniform = True
+        # The last append's (b, n) counts of slots visible to each new token (None: the causal ones after
+        # ``last_start`` slots): what a later recursion step reading this cache shares (``SharedLayerCache``).
+        self.last_count: Tensor | None = None
+        self.last_start = 0
 
     def attend(self, attn: Attention, h: Tensor, cos: Tensor, sin: Tensor,
                keep: Tensor | None, rows: Tensor | None = None, bound: int | None = None) -> Tensor:
@@ -83,6 +87,7 @@ class LayerCache:
             count = self._append_step(k, v, rows, bound)
         else:
             count = self._append_kept(k, v, keep, rows)
+        self.last_count, self.last_start = count, start
         L = max(self.bound, 1)
         keys, values = self.k[:, :, :L], self.v[:, :, :L]
         if not every_row:
@@ -144,6 +149,37 @@ class LayerCache:
         return count
 
 
+class SharedLayerCache:
+    """Recursive KV sharing (``ModelConfig.kv_sharing``, Mixture-of-Recursions arXiv:2507.10524 §2.3): a
+    later recursion step's view of the step-0 cache of the same layer of the shared block. It stores
+    nothing (``lengths`` stays 0: no K/V bytes) and computes no K/V: its queries attend to the slots
+    step 0 holds up to their own position — on a decode step every slot (step 0 ran first in the same
+    pass), in a prefill the counts step 0's append recorded — as ``GPT.forward``'s shared path does.
+    A token with no such slot (before every token step 0 processed) gets a zero attention output."""
+
+    def __init__(self, source: LayerCache) -> None:
+        self.source = source
+        self.lengths = torch.zeros_like(source.lengths)
+
+    def attend(self, attn: Attention, h: Tensor, cos: Tensor, sin: Tensor,
+               keep: Tensor | None, rows: Tensor | None = None, bound: int | None = None) -> Tensor:
+        src = self.source
+        q = attn.query(h, cos, sin)
+        b, n = h.shape[:2]
+        L = max(src.bound, 1)
+        keys, values = src.k[:, :, :L], src.v[:, :, :L]
+        if rows is not None and rows.numel() != src.k.shape[0]:
+            keys, values = keys.index_select(0, rows), values.index_select(0, rows)
+        if n == 1:
+            count = (src.lengths if rows is None else src.lengths.index_select(0, rows)).unsqueeze(1)
+        elif src.last_count is not None:  # a prefill (every row): step 0's counts for these tokens
+            count = src.last_count
+        else:
+            count = (src.last_start + torch.arange(1, n + 1, device=h.device)).expand(b, n)
+        y = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=_visible(count, L).unsqueeze(1))
+        return attn.output(y * (count > 0).view(b, 1, n, 1).to(y.dtype))
+
+
 def _visible(count: Tensor, length: int) -> Tensor:
     """(b, n, length) bool: slot s visible to new token j iff s < count[b, j] (at least slot 0)."""
     return torch.arange(length, device=count.device) < count.clamp_min(1).unsqueeze(-1)
@@ -172,7 +208,10 @@ class Decoder:
         self.model, self.mode, self.batch, self.max_len = model, mode, batch, max_len
         p = model.head.weight
         hd = cfg.width // cfg.heads
-        self.caches = [LayerCache(batch, cfg.heads, max_len, hd, p.device, p.dtype) for _ in model.layers]
+        self.caches: list[LayerCache | SharedLayerCache] = []
+        for src in model.kv_sources:  # a later step under recursive KV sharing reads step 0's cache
+            self.caches.append(LayerCache(batch, cfg.heads, max_len, hd, p.device, p.dtype) if src is None
+                               else SharedLayerCache(self.caches[src]))
         self.pos = 0
         # Routed-layer token computations, per routed layer: how many were done, out of how many each.
         n_routed = sum(isinstance(layer, RoutedBlock) for layer in model.layers)
@@ -188,9 +227,10 @@ class Decoder:
         at each layer), not the worst-case allocation. A routed layer holds only the tokens it
         processed; a recursive model's applications of one shared block keep separate caches, each
         holding the tokens that application processed (Mixture-of-Recursions' recursion-wise
-        caching, arXiv:2507.10524 §2.2). One host sync."""
+        caching, arXiv:2507.10524 §2.2); under recursive KV sharing (§2.3) the later applications hold
+        none (``SharedLayerCache``). One host sync."""
         slots = torch.stack([cache.lengths for cache in self.caches]).sum()
-        c = self.caches[0]
+        c = next(cache for cache in self.caches if isinstance(cache, LayerCache))
         return int(slots) * 2 * c.k.shape[1] * c.k.shape[3] * c.k.element_size()
 
     @property
@@ -226,15 +266,15 @@ class Decoder:
         cos = m.rope_cos[self.pos : self.pos + n]
         sin = m.rope_sin[self.pos : self.pos + n]
         x = m.embed(idx)
-        previous = None  # the last routed layer's decisions for these tokens (nested routing)
+        previous = None  # the last routed layer's decisions for these tokens (nested routing), or its handoff
         j = 0  # the routed layer's index
         for layer, cache in zip(m.layers, self.caches):
             attn = layer.block.attn
             if attn.expose:
                 attn.exposed = None  # (a routed layer that no sequence processes leaves none)
             if isinstance(layer, RoutedBlock) and self.mode == "causal":
-                x, decide = self._routed(layer, cache, x, cos, sin, previous, j)
-                previous = decide
+                x, decide, handoff = self._routed(layer, cache, x, cos, sin, previous, j)
+                previous = decide if handoff is None else handoff  # (mor_token_choice: the depths chosen up front)
                 j += 1
             else:
                 x = self._dense(layer.block, cache, x, cos, sin)
@@ -251,15 +291,16 @@ class Decoder:
         return x + block.delta(x, cos, sin, cache=cache)
 
     def _routed(self, layer: RoutedBlock, cache: LayerCache, x: Tensor, cos: Tensor, sin: Tensor,
-                previous: Tensor | None, j: int) -> tuple[Tensor, Tensor]:
-        # The model's own block path (pre_route, routed_delta, mix_causal), with the cache passed in.
+                previous: object | None, j: int) -> tuple[Tensor, Tensor, object | None]:
+        # The model's own block path (pre_route, decide, routed_delta, mix_causal), with the cache passed in.
         x = layer.pre_route(x, cos, sin, cache=cache)
-        decide = layer.router.decide_causal_given(x, previous)
+        decide, handoff = layer.decide(x, previous)
         B, n = x.shape[:2]
         if n > 1:
             # Prefill: every token computed in one masked pass, skipped ones discarded.
             self.processed[j] += decide.sum()
-            return layer.mix_causal(x, decide, layer.routed_delta(x, cos, sin, cache=cache, keep=decide)), decide
+            delta = layer.routed_delta(x, cos, sin, cache=cache, keep=decide)
+            return layer.mix_causal(x, decide, delta, handoff), decide, handoff
         # Decode step: run the block only for the sequences that process this token. One host sync
         # reads which they are and the cache's new bound (its max length) together.
         flags = decide[:, 0]
@@ -267,15 +308,15 @@ class Decoder:
         rows_list = [b for b, p in enumerate(processing) if p]
         self.processed_steps[j] += len(rows_list)
         if not rows_list:
-            return layer.skipped(x), decide  # nobody processes it: no K/V written, no block run
+            return layer.skipped(x), decide, handoff  # nobody processes it: no K/V written, no block run
         all_rows = len(rows_list) == B
         rows = None if all_rows else torch.tensor(rows_list, device=x.device)
         xs = x if all_rows else x.index_select(0, rows)
         delta = layer.routed_delta(xs, cos, sin, cache=cache, rows=rows, bound=bound)
-        out = layer.mix_causal(xs, torch.ones(xs.shape[:2], dtype=torch.bool, device=x.device), delta)
+        out = layer.mix_causal(xs, torch.ones(xs.shape[:2], dtype=torch.bool, device=x.device), delta, handoff, rows)
         if all_rows:
-            return out, decide
-        return layer.skipped(x).index_copy(0, rows, out), decide
+            return out, decide, handoff
+        return layer.skipped(x).index_copy(0, rows, out), decide, handoff
 
 
 # --- generation ---------------------------------------------------------------------------

@@ -20,6 +20,11 @@ Conventions (the same for every variant, so ratios are comparable):
 - A layer whose attention the next router reads (``amod``) materialises its full L × L score
   matrix once more for that router: 2·d·L² FLOPs, counted in its ``router`` part, no backward
   (the scores are detached).
+- Recursive KV sharing (``ModelConfig.kv_sharing``, Mixture-of-Recursions arXiv:2507.10524 §2.3): a
+  later step of the shared block projects q and the output only, 2·2d² per token (its K/V are step
+  0's), and its n queries attend to step 0's L keys: n·L pairs (``causal=False``), n·(L+1)/2 causal —
+  exact when the queries are the keys (a dense step), the mean over queries placed like the keys
+  otherwise (a query sees the keys up to its position).
 - Backward costs 2× forward for every matmul (input and weight gradients); routers report
   their own backward (a detached auxiliary predictor needs weight gradients only).
 - Embedding lookups, norms, RoPE, softmax, GELU, top-k, sort, gather and scatter count as
@@ -32,14 +37,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
-def projection_flops(d: int, mlp_ratio: int, tokens: int) -> tuple[float, float]:
-    """(attention projections, MLP) forward FLOPs for ``tokens`` tokens."""
-    return 2.0 * 4 * d * d * tokens, 2.0 * 2 * mlp_ratio * d * d * tokens
+def projection_flops(d: int, mlp_ratio: int, tokens: int, *, kv: bool = True) -> tuple[float, float]:
+    """(attention projections, MLP) forward FLOPs for ``tokens`` tokens; ``kv=False``: q and the output
+    projection only (a step that reads shared keys and values)."""
+    return 2.0 * (4 if kv else 2) * d * d * tokens, 2.0 * 2 * mlp_ratio * d * d * tokens
 
 
-def attention_flops(d: int, length: int, causal: bool) -> float:
-    """Forward FLOPs of QKᵀ and A·V over a sequence of ``length`` tokens (all heads)."""
-    pairs = length * (length + 1) / 2 if causal else float(length * length)
+def attention_flops(d: int, length: int, causal: bool, keys: int | None = None) -> float:
+    """Forward FLOPs of QKᵀ and A·V for ``length`` queries over their own keys (all heads), or over
+    ``keys`` shared keys of another step (see the module doc)."""
+    if keys is None:
+        pairs = length * (length + 1) / 2 if causal else float(length * length)
+    else:
+        pairs = length * (keys + 1) / 2 if causal else float(length * keys)
     return 4.0 * d * pairs
 
 
@@ -62,19 +72,21 @@ class LayerFlops:
 
 def block_flops(d: int, mlp_ratio: int, *, attn_tokens: int, mlp_tokens: int, causal: bool,
                 router: tuple[float, float] = (0.0, 0.0), seq_len: int | None = None,
-                mlp_gate: tuple[float, float] = (0.0, 0.0), attention_summary: bool = False) -> LayerFlops:
+                mlp_gate: tuple[float, float] = (0.0, 0.0), attention_summary: bool = False,
+                shared_keys: int | None = None) -> LayerFlops:
     """A pre-norm block whose attention sees ``attn_tokens`` and whose MLP sees ``mlp_tokens``.
 
     ``router`` is the (forward, backward) FLOPs per token of a router that scores all
     ``seq_len`` tokens; ``mlp_gate`` those of a mixture-of-experts gate on each MLP token (a
     top-1 mixture runs one expert per token: one MLP's FLOPs). ``attention_summary``: the next
     router reads this block's attention, which costs its L × L scores again (forward only).
-    Backward is 2× forward for the matmuls plus the router's and the gate's own backward.
+    ``shared_keys``: recursive KV sharing's later step, its attention over that many keys of step 0 and
+    no K/V projection. Backward is 2× forward for the matmuls plus the router's and the gate's own backward.
     """
-    proj_attn, _ = projection_flops(d, mlp_ratio, attn_tokens)
+    proj_attn, _ = projection_flops(d, mlp_ratio, attn_tokens, kv=shared_keys is None)
     _, proj_mlp = projection_flops(d, mlp_ratio, mlp_tokens)
     T = seq_len if seq_len is not None else attn_tokens
-    parts = {"attn_proj": proj_attn, "attn_scores": attention_flops(d, attn_tokens, causal),
+    parts = {"attn_proj": proj_attn, "attn_scores": attention_flops(d, attn_tokens, causal, shared_keys),
              "mlp": proj_mlp + mlp_gate[0] * mlp_tokens, "router": router[0] * T}
     if attention_summary:
         parts["router"] += 2.0 * d * attn_tokens * attn_tokens

@@ -32,6 +32,8 @@ Read top to bottom. Notable features:
   (``modbench.model.recursion.sharing_map``); every position keeps its own router, KV cache and
   FLOP count, so routing, decoding and FLOPs need no special case. The recursive dense baseline is
   a recursive config with the ``dense`` variant: the shared block on every token at every step.
+  With ``ModelConfig.kv_sharing`` (MoR §2.3, recursive KV sharing) a later application of the shared
+  block computes no K/V: its queries attend to what the same layer computed at step 0 (``KVShare``).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from torch import Tensor, nn
 from modbench.variants import Router, get_variant
 
 from modbench.model import flops as flop_math
-from modbench.model.recursion import sharing_map
+from modbench.model.recursion import recursion_step, sharing_map
 from modbench.config.capacity import CapacitySchedule
 from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.errors import ModbenchError, accepted
@@ -138,6 +140,13 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).view(B, T, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
+    def query(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """q alone, (B, H, T, hd), rotated: a layer that reads shared keys and values (``KVShare``)
+        computes no K/V of its own (q is the first d rows of ``qkv``)."""
+        B, T, d = x.shape
+        q = F.linear(x, self.qkv.weight[:d]).view(B, T, self.n_head, d // self.n_head).transpose(1, 2)
+        return apply_rope(q, cos, sin)
+
     def output(self, y: Tensor) -> Tensor:
         B, _, T, hd = y.shape
         return self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * hd))
@@ -148,6 +157,69 @@ class Attention(nn.Module):
         if self.expose:
             self.exposed = attention_summary(q, k, mask)
         return self.output(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+# --- recursive KV sharing ------------------------------------------------------------------
+class KVShare:
+    """Recursive KV sharing (Mixture-of-Recursions, arXiv:2507.10524 §2.3; ``ModelConfig.kv_sharing``):
+    the keys and values one layer of the shared block computed at its first application (recursion
+    step 0), which the same layer attends to at every later step instead of computing its own.
+
+    Filled by step 0 in the same forward (``KVAccess`` with ``write``), read by steps ≥ 1.
+    k, v:  (B, H, L, hd), the keys rotated by their own positions.
+    pos:   (B, L) the keys' positions (step 0 ran a gathered subset: top-k mode), or None: 0 … L−1.
+    valid: (B, L) bool, which of the L are keys (the tokens step 0 processed, when it computed more:
+           a causal pass, a variable-count router's unused slots), or None: all.
+    Tokens step 0 skipped have no K/V there, so they are keys at no later step either.
+    """
+
+    def __init__(self) -> None:
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+        self.pos: Tensor | None = None
+        self.valid: Tensor | None = None
+
+    def visible(self, positions: Tensor | None, n: int) -> Tensor | None:
+        """(B or 1, n, L) bool: key j visible to query i iff pos_j <= pos_i and j is valid; None when
+        that is the plain causal mask (step 0 and these queries cover positions 0 … n−1 alike)."""
+        L = self.k.shape[-2]
+        if self.pos is None and self.valid is None and positions is None and n == L:
+            return None
+        device = self.k.device
+        kpos = self.pos if self.pos is not None else torch.arange(L, device=device).unsqueeze(0)
+        qpos = positions if positions is not None else torch.arange(n, device=device).unsqueeze(0)
+        vis = kpos.unsqueeze(-2) <= qpos.unsqueeze(-1)
+        return vis if self.valid is None else vis & self.valid.unsqueeze(-2)
+
+
+@dataclass
+class KVAccess:
+    """How one application of a shared layer uses its ``KVShare`` (the layer's ``kv_step``): step 0
+    (``write``) attends as usual and records its K/V; a later step attends with its own queries to
+    the recorded K/V. positions: (B, n) positions of the tokens attending (a gathered subset), None:
+    0 … n−1. valid: (B, n) bool, step 0's tokens that are keys (None: all)."""
+
+    share: KVShare
+    write: bool
+    positions: Tensor | None = None
+    valid: Tensor | None = None
+
+    def attend(self, attn: "Attention", h: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+        s = self.share
+        if self.write:  # step 0: the layer's own attention (``mask`` as without sharing), K/V recorded
+            q, k, v = attn.project(h, cos, sin)
+            s.k, s.v, s.pos, s.valid = k, v, self.positions, self.valid
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+            return attn.output(y)
+        q = attn.query(h, cos, sin)  # a later step: queries only (``mask``, for its own keys, does not apply)
+        vis = s.visible(self.positions, q.shape[-2])
+        if vis is None:
+            return attn.output(F.scaled_dot_product_attention(q, s.k.to(q.dtype), s.v.to(q.dtype), is_causal=True))
+        # A query with no key (a token before every token step 0 processed) gets a zero attention output:
+        # it sees every key (a finite row) and is zeroed after, rather than a NaN softmax over nothing.
+        has = vis.any(-1, keepdim=True)
+        y = F.scaled_dot_product_attention(q, s.k.to(q.dtype), s.v.to(q.dtype), attn_mask=(vis | ~has).unsqueeze(-3))
+        return attn.output(y * has.unsqueeze(-3).to(y.dtype))
 
 
 class MLP(nn.Module):
@@ -234,12 +306,15 @@ class Block(nn.Module):
         self.mlp = TopOneMoE(cfg.width, cfg.mlp_ratio, experts, noop_expert) if experts else MLP(cfg.width, cfg.mlp_ratio)
 
     def attention(self, x: Tensor, cos: Tensor, sin: Tensor, *, mask: Tensor | None = None, cache=None,
-                  keep: Tensor | None = None, rows: Tensor | None = None, bound: int | None = None) -> Tensor:
+                  keep: Tensor | None = None, rows: Tensor | None = None, bound: int | None = None,
+                  kv: KVAccess | None = None) -> Tensor:
         """attn(norm1(x)): causal, under an explicit boolean mask, or through a KV cache (``keep``,
-        ``rows``, ``bound``: see ``LayerCache.attend``)."""
+        ``rows``, ``bound``: see ``LayerCache.attend``); ``kv``: recursive KV sharing (``KVAccess``)."""
         h = self.norm1(x)
         if cache is not None:
             return cache.attend(self.attn, h, cos, sin, keep=keep, rows=rows, bound=bound)
+        if kv is not None:
+            return kv.attend(self.attn, h, cos, sin, mask)
         if mask is not None:
             return self.attn.forward_masked(h, cos, sin, mask)
         return self.attn(h, cos, sin)
@@ -287,10 +362,24 @@ class LayerOutput:
     stats: dict[str, Tensor] = field(default_factory=dict)
     processed: Tensor | None = None  # (B, T) bool at a routed layer: what the next routed layer may nest in
     attention: AttentionSummary | None = None  # when the next layer's router reads this layer's attention (amod)
+    # What the next routed layer receives instead of ``processed`` from a router that chooses each token's depth
+    # at the first routed layer (``mor_token_choice``'s ``DepthAssignment``): that choice, and this step's mix.
+    handoff: object | None = None
+
+
+def kv_access(step: int | None, share: KVShare | None, positions: Tensor | None = None,
+              valid: Tensor | None = None) -> dict[str, KVAccess]:
+    """The attention keyword of a layer position under recursive KV sharing (its ``kv_step``: 0 writes,
+    later steps read), or nothing without a ``share``."""
+    return {} if share is None else {"kv": KVAccess(share, step == 0, positions, valid)}
 
 
 class RoutedBlock(nn.Module):
     """A block whose router picks the k tokens it processes (scope 'block' or 'mlp')."""
+
+    # Recursive KV sharing (``GPT``): the recursion step of this position of the shared block (0: it
+    # records its K/V; ≥ 1: it reads step 0's), None without sharing.
+    kv_step: int | None = None
 
     def __init__(self, cfg: ModelConfig, router: Router, capacity: CapacitySchedule, block: Block | None = None) -> None:
         super().__init__()
@@ -330,19 +419,38 @@ class RoutedBlock(nn.Module):
         scale = self.router.skip_scale(x)
         return x if scale is None else x * scale.unsqueeze(-1).to(x.dtype)
 
-    def mix_causal(self, x: Tensor, decide: Tensor, delta: Tensor) -> Tensor:
+    def mix_causal(self, x: Tensor, decide: Tensor, delta: Tensor, handoff: object | None = None,
+                   rows: Tensor | None = None) -> Tensor:
         """x + w·delta where ``decide``, ``skipped(x)`` elsewhere: causal mode and decoding (x + w·(x + delta)
-        for a router that weights the block's output)."""
-        weight = self.router.causal_weight(x, decide) if self.router.weight_scope == "block" else None
+        for a router that weights the block's output). With a ``handoff`` (see ``decide``), its ``weight``
+        (B, T) and ``base`` (B, T, d) give base + w·(x + delta) instead (``rows``: the sequences of the
+        batch that ``x`` holds, when a decode step runs a subset)."""
+        base = None
+        if handoff is not None:
+            weight, base = handoff.weight, handoff.base
+            if rows is not None:
+                weight, base = weight.index_select(0, rows), base.index_select(0, rows)
+        else:
+            weight = self.router.causal_weight(x, decide) if self.router.weight_scope == "block" else None
         if self.weights_output:
             delta = delta + x
         if weight is not None:
             delta = delta * weight.unsqueeze(-1).to(delta.dtype)
-        return torch.where(decide.unsqueeze(-1), x + delta, self.skipped(x))
+        return torch.where(decide.unsqueeze(-1), (x if base is None else base.to(x.dtype)) + delta, self.skipped(x))
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, previous: Tensor | None = None) -> LayerOutput:
+    def decide(self, x: Tensor, previous: object | None) -> tuple[Tensor, object | None]:
+        """The causal decision (B, T) and what the next routed layer receives instead of it (None: the
+        decision itself). A router that assigns each token's depth at the first routed layer
+        (``assign_causal``, ``mor_token_choice``) returns both: its assignment, handed on as ``previous``."""
+        assign = getattr(self.router, "assign_causal", None)
+        if assign is None:
+            return self.router.decide_causal_given(x, previous), None
+        return assign(x, previous)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, previous: Tensor | None = None,
+                share: KVShare | None = None) -> LayerOutput:
         B, T, d = x.shape
-        x = self.pre_route(x, cos[:T], sin[:T])
+        x = self.pre_route(x, cos[:T], sin[:T], **kv_access(self.kv_step, share))
         r = self.router.route(x, self.capacity.k(T), previous)
         k = r.index.shape[-1]
         # Flat row ids into the (B·T, d) view: batched gather/scatter, no loop over the batch.
@@ -354,17 +462,24 @@ class RoutedBlock(nn.Module):
         sn = sin.index_select(0, pos).view(B, 1, k, -1)
         weight_mlp = self.router.weight_scope == "mlp" and r.weight is not None  # p-MoD: x + attn + w·mlp
         mlp_weight = r.weight.squeeze(-1) if weight_mlp else None
+        kv = kv_access(self.kv_step, share, r.index, r.valid)  # (scope "mlp": its attention was pre_route's)
         if r.valid is None:
-            delta = self.routed_delta(xs, cs, sn, mlp_weight)
+            delta = self.routed_delta(xs, cs, sn, mlp_weight, **kv)
         else:  # a variable count: unused slots are no keys, and their delta is zeroed (rows unchanged)
-            delta = self.routed_delta(xs, cs, sn, mlp_weight, mask=subset_mask(r.valid)) * r.valid.unsqueeze(-1).to(xs.dtype)
+            delta = self.routed_delta(xs, cs, sn, mlp_weight, mask=subset_mask(r.valid), **kv) * r.valid.unsqueeze(-1).to(xs.dtype)
         if self.weights_output:  # x + w·(x + Δ): the block's output is weighted (mor, released code)
             delta = delta + xs
         if r.weight is not None and not weight_mlp:
             delta = delta * r.weight.to(delta.dtype)
         # Under autocast the delta leaves the linears in bf16 while the residual stream stays fp32.
         delta = delta.reshape(B * k, d).to(flat.dtype)
-        if r.skip_scale is None:
+        base = getattr(r, "base", None)  # (B, k, d): what w·(x + Δ) is added to instead of x (mor_token_choice)
+        if base is not None:  # processed slots become base + w·(x + Δ); unused slots stay x
+            new = base.reshape(B * k, d).to(flat.dtype) + delta
+            if r.valid is not None:
+                new = torch.where(r.valid.reshape(B * k, 1), new, xs.reshape(B * k, d))
+            out = flat.index_copy(0, rows, new).view(B, T, d)
+        elif r.skip_scale is None:
             out = flat.index_add(0, rows, delta).view(B, T, d)
         else:  # p-MoD's STRing: every row starts as w·x, then the processed rows become x + w·Δ
             scaled = (x * r.skip_scale.unsqueeze(-1).to(x.dtype)).reshape(B * T, d)
@@ -374,7 +489,7 @@ class RoutedBlock(nn.Module):
         aux = r.aux_losses
         if isinstance(self.block.mlp, TopOneMoE) and self.training:
             aux = {**aux, "expert_balance": self.block.mlp.balance}
-        return LayerOutput(out, aux, stats, processed, self._exposed(r.index, T))
+        return LayerOutput(out, aux, stats, processed, self._exposed(r.index, T), getattr(r, "handoff", None))
 
     def _exposed(self, index: Tensor, seq_len: int) -> AttentionSummary | None:
         """The attention summary of the selected subset, scattered to all positions (0 where skipped)."""
@@ -384,56 +499,72 @@ class RoutedBlock(nn.Module):
         zeros = torch.zeros(index.shape[0], seq_len, device=index.device)
         return AttentionSummary(zeros.scatter(1, index, s.self_weight), zeros.scatter(1, index, s.received))
 
-    def flops(self, seq_len: int, *, causal: bool = True) -> flop_math.LayerFlops:
-        """Analytic FLOPs over one sequence: the block at k tokens (the MLP alone at k for
-        scope "mlp"), plus the router on all ``seq_len`` tokens."""
+    def attention_tokens(self, seq_len: int) -> int:
+        """The tokens this layer's attention runs on (queries, and keys it computes): k, or every token
+        for scope "mlp"."""
         k = self.router.tokens_run(self.capacity.k(seq_len), seq_len)
-        attn_tokens = seq_len if self.router.scope == "mlp" else k
+        return seq_len if self.router.scope == "mlp" else k
+
+    def flops(self, seq_len: int, *, causal: bool = True, shared_keys: int | None = None) -> flop_math.LayerFlops:
+        """Analytic FLOPs over one sequence: the block at k tokens (the MLP alone at k for
+        scope "mlp"), plus the router on all ``seq_len`` tokens. ``shared_keys``: a later step under
+        recursive KV sharing, attending to that many keys of step 0 and projecting no K/V."""
+        k = self.router.tokens_run(self.capacity.k(seq_len), seq_len)
+        attn_tokens = self.attention_tokens(seq_len)
         cfg = self.block.cfg
         mlp = self.block.mlp
         gate = mlp.gate_flops(cfg.width) if isinstance(mlp, TopOneMoE) else (0.0, 0.0)
         return flop_math.block_flops(cfg.width, cfg.mlp_ratio, attn_tokens=attn_tokens, mlp_tokens=k, causal=causal,
                                      router=self.router.scoring_flops(cfg.width), seq_len=seq_len, mlp_gate=gate,
-                                     attention_summary=self.block.attn.expose)
+                                     attention_summary=self.block.attn.expose, shared_keys=shared_keys)
 
-    def forward_causal(self, x: Tensor, cos: Tensor, sin: Tensor, previous: Tensor | None = None) -> LayerOutput:
+    def forward_causal(self, x: Tensor, cos: Tensor, sin: Tensor, previous: Tensor | None = None,
+                       share: KVShare | None = None) -> LayerOutput:
         """Route each token by ``decide_causal`` (its own state), in one masked pass.
 
         Processed tokens get ``x + causal_weight · delta``; skipped tokens come out
         bit-identical. Every token is computed and the skipped ones discarded: this mode
         measures quality, not speed (decoding with ``modbench.model.decode`` saves the work).
+        Under recursive KV sharing step 0's keys are the tokens it processed (``decide``).
         """
         T = x.shape[1]
         cos, sin = cos[:T], sin[:T]
-        x = self.pre_route(x, cos, sin)
-        decide = self.router.decide_causal_given(x, previous)
-        delta = self.routed_delta(x, cos, sin, mask=causal_routing_mask(decide))
-        out = self.mix_causal(x, decide, delta)
+        x = self.pre_route(x, cos, sin, **kv_access(self.kv_step, share))
+        decide, handoff = self.decide(x, previous)
+        delta = self.routed_delta(x, cos, sin, mask=causal_routing_mask(decide),
+                                  **kv_access(self.kv_step, share, valid=decide))
+        out = self.mix_causal(x, decide, delta, handoff)
         s = self.block.attn.take_exposed()
         s = None if s is None else AttentionSummary(s.self_weight * decide)  # skipped tokens received nothing
-        return LayerOutput(out, {}, {"decide": decide} if self.router.collect_stats else {}, decide, s)
+        return LayerOutput(out, {}, {"decide": decide} if self.router.collect_stats else {}, decide, s, handoff)
 
-    def forward_dense(self, x: Tensor, cos: Tensor, sin: Tensor) -> LayerOutput:
+    def forward_dense(self, x: Tensor, cos: Tensor, sin: Tensor, share: KVShare | None = None) -> LayerOutput:
         """MoD off: a plain block on every token, router and weights ignored."""
         T = x.shape[1]
-        return LayerOutput(self.block(x, cos[:T], sin[:T]))
+        return LayerOutput(x + self.block.delta(x, cos[:T], sin[:T], **kv_access(self.kv_step, share)))
 
 
 class DenseLayer(nn.Module):
+    kv_step: int | None = None  # recursive KV sharing: as ``RoutedBlock.kv_step``
+
     def __init__(self, cfg: ModelConfig, block: Block | None = None) -> None:
         super().__init__()
         self.block = block if block is not None else Block(cfg)  # ``block``: a recursive model's shared block
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> LayerOutput:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, share: KVShare | None = None) -> LayerOutput:
         T = x.shape[1]
-        return LayerOutput(self.block(x, cos[:T], sin[:T]), attention=self.block.attn.take_exposed())
+        out = x + self.block.delta(x, cos[:T], sin[:T], **kv_access(self.kv_step, share))
+        return LayerOutput(out, attention=self.block.attn.take_exposed())
 
-    def flops(self, seq_len: int, *, causal: bool = True) -> flop_math.LayerFlops:
+    def attention_tokens(self, seq_len: int) -> int:
+        return seq_len
+
+    def flops(self, seq_len: int, *, causal: bool = True, shared_keys: int | None = None) -> flop_math.LayerFlops:
         cfg = self.block.cfg
         mlp = self.block.mlp  # a shared block that a routed position made a mixture of experts (MoDE)
         gate = mlp.gate_flops(cfg.width) if isinstance(mlp, TopOneMoE) else (0.0, 0.0)
         return flop_math.block_flops(cfg.width, cfg.mlp_ratio, attn_tokens=seq_len, mlp_tokens=seq_len, causal=causal,
-                                     mlp_gate=gate, attention_summary=self.block.attn.expose)
+                                     mlp_gate=gate, attention_summary=self.block.attn.expose, shared_keys=shared_keys)
 
 
 @dataclass
@@ -480,12 +611,37 @@ class GPT(nn.Module):
             if isinstance(layer, RoutedBlock) and layer.router.reads_attention:
                 before.block.attn.expose = True
                 layer.router.attention_source = True
+        self.kv_sources = self._share_kv(cfg, layers)
+        routed = [layer.router for layer in layers if isinstance(layer, RoutedBlock)]
+        for j, router in enumerate(routed):  # a router that assigns depths up front learns its place (mor_token_choice)
+            if hasattr(router, "place"):
+                router.place(j, len(routed))
         self.norm = nn.RMSNorm(cfg.width)
         self.head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg.max_seq_len, cfg.width // cfg.heads, cfg.rope_base)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self._init_weights()
+
+    def _share_kv(self, cfg: ModelConfig, layers: list[nn.Module]) -> tuple[int | None, ...]:
+        """Recursive KV sharing (``ModelConfig.kv_sharing``, MoR §2.3): each position of the shared block
+        learns its recursion step (``kv_step``); returns, per position, the position whose K/V it reads
+        (the same physical layer at step 0), None where it computes its own."""
+        if not cfg.kv_sharing:
+            return (None,) * len(layers)
+        steps = recursion_step(cfg.layers, cfg.recursion, cfg.recursions)
+        first = {}  # physical block → its position at step 0
+        sources = []
+        for i, (layer, step) in enumerate(zip(layers, steps)):
+            layer.kv_step = step
+            if step == 0:
+                first[self.sharing[i]] = i
+            if step is not None and layer.block.attn.expose:
+                raise ModbenchError(f"model.kv_sharing does not combine with variant {self.routing.variant!r}: its router "
+                                    "reads the previous layer's own-key attention, which a shared-KV step does not have; "
+                                    "expected kv_sharing = false or another variant")
+            sources.append(first[self.sharing[i]] if step else None)
+        return tuple(sources)
 
     def _shared_blocks(self, cfg: ModelConfig, routers: list[Router | None]) -> dict[int, Block]:
         """One ``Block`` per physical block of a recursive model, a mixture of experts when a routed
@@ -551,20 +707,24 @@ class GPT(nn.Module):
         aux: dict[str, Tensor] = {}
         stats: list[dict[str, Tensor]] = []
         previous = None  # what the last routed layer processed (nested routing selects within it)
-        for layer in self.layers:
+        shares: dict[int, KVShare] = {}  # recursive KV sharing: step 0's K/V, by the position that computed them
+        for i, layer in enumerate(self.layers):
+            share = self._kv_share(i, shares)
             if not isinstance(layer, RoutedBlock):
-                out = layer(x, self.rope_cos, self.rope_sin)
+                out = layer(x, self.rope_cos, self.rope_sin, share)
             elif routing_mode == "topk":
-                out = layer(x, self.rope_cos, self.rope_sin, previous)
+                out = layer(x, self.rope_cos, self.rope_sin, previous, share)
             elif routing_mode == "causal":
-                out = layer.forward_causal(x, self.rope_cos, self.rope_sin, previous)
+                out = layer.forward_causal(x, self.rope_cos, self.rope_sin, previous, share)
             else:
-                out = layer.forward_dense(x, self.rope_cos, self.rope_sin)
+                out = layer.forward_dense(x, self.rope_cos, self.rope_sin, share)
             x = out.x
             if out.processed is not None:
                 previous = out.processed
             if out.attention is not None:  # the next router reads this layer's attention (amod)
                 previous = out.attention
+            if out.handoff is not None:  # the depths the first routed layer chose (mor_token_choice)
+                previous = out.handoff
             for name, value in out.aux_losses.items():
                 aux[name] = aux[name] + value if name in aux else value
             if out.stats:
@@ -574,6 +734,13 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.view(B * T, -1).float(), targets.reshape(-1))
         return ModelOutput(logits, loss, aux, stats)
+
+    def _kv_share(self, i: int, shares: dict[int, KVShare]) -> KVShare | None:
+        """Position i's ``KVShare``: a new one at step 0 of the shared block, step 0's at a later step."""
+        if self.layers[i].kv_step == 0:
+            shares[i] = KVShare()
+            return shares[i]
+        return None if self.kv_sources[i] is None else shares[self.kv_sources[i]]
 
     def weighted_aux_loss(self, aux: dict[str, Tensor], step: int) -> Tensor | None:
         """Σ_name weight(name, step) · aux[name]: the one path by which aux losses enter."""
@@ -589,7 +756,9 @@ class GPT(nn.Module):
     # --- FLOPs ---------------------------------------------------------------------------
     def flop_report(self, seq_len: int, *, causal: bool = True, backward: bool = True) -> flop_math.FlopReport:
         """Analytic FLOPs of one sequence: the sum of every layer's ``flops`` and the head's."""
-        layers = (layer.flops(seq_len, causal=causal) for layer in self.layers)
+        layers = (layer.flops(seq_len, causal=causal, shared_keys=None if src is None else
+                              self.layers[src].attention_tokens(seq_len))  # recursive KV sharing: step 0's keys
+                  for layer, src in zip(self.layers, self.kv_sources))
         head = flop_math.head_flops(self.cfg.width, self.cfg.vocab_size, seq_len)
         return flop_math.FlopReport.from_layers(seq_len, layers, head, backward=backward)
 

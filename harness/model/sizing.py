@@ -14,6 +14,18 @@ dense models for the same reason):
 - *iso-token dense*: the routed arm's own dense shape trained for exactly as many steps
   (tokens) as the routed arm gets from its FLOP budget: more compute than the budget.
 
+A recursive model (``ModelConfig.recursion``, Mixture-of-Recursions, arXiv:2507.10524 §2.1) costs
+FLOPs per block *application* but holds parameters per *physical* block, so it has two vanilla
+twins (issue 29's baselines), both without weight sharing:
+
+- *FLOP-matched*: the matched dense above, sized by the recursive arm's FLOPs per token (which
+  ``GPT.flop_report`` counts per application); for a recursive *dense* arm that is its own shape
+  unshared, the study's vanilla dense arm of the same depth and width (equal FLOPs exactly).
+- *param-matched* (``param_matched_dense``): the vanilla model of the recursive arm's physical
+  depth at its width (``param_matched_vanilla``): block for block the same modules, so the
+  non-embedding parameters are equal exactly (a routed arm's routers, d + 1 per routed layer, are
+  the only difference); it costs 1/N_R of the shared part's FLOPs and trains on the same budget.
+
 FLOPs come from ``GPT.flop_report`` (built on the meta device: no memory, no RNG draw), the
 same count the trainer converts budgets with.
 """
@@ -68,7 +80,7 @@ def param_matched_vanilla(model: ModelConfig) -> ModelConfig:
     modules, so the non-embedding parameters are equal; it costs 1/N_R of the shared part's FLOPs.
     The FLOP-matched vanilla model is the recursive model's own shape unshared (same FLOPs per token)."""
     return replace(model, n_layer=model.physical_layers, n_embd=model.width, n_head=model.heads,
-                   recursion="none", recursions=1)
+                   recursion="none", recursions=1, kv_sharing=False)
 
 
 def matched_dense_shape(cfg: RunConfig, tolerance: float = MATCH_TOLERANCE) -> tuple[int, int, float]:
@@ -100,7 +112,7 @@ def _closest(cfg: RunConfig, target: float, widths) -> tuple[float, int, int, fl
         for width in widths:
             # a vanilla model (no weight sharing): the FLOP-matched control of a recursive arm too
             shape = replace(cfg.model, depth=depth, n_layer=None, n_embd=width, n_head=heads_for(width, cfg.model),
-                            recursion="none", recursions=1)
+                            recursion="none", recursions=1, kv_sharing=False)
             ratio = flops_per_token(shape, RoutingConfig(), cfg.train.seq_len) / target
             if best is None or abs(ratio - 1) < best[0]:
                 best = (abs(ratio - 1), depth, width, ratio)
@@ -118,10 +130,11 @@ def iso_token_budget(cfg: RunConfig) -> str:
 
 
 def control_arms(study: Study) -> list[Arm]:
-    """The study's derived control arms (``study.controls``), for each routed arm of [space].
+    """The study's derived control arms (``study.controls``), for each routed arm of [space]
+    (``param_matched_dense``: for each recursive arm of [space], routed or dense).
 
-    Routed arms that share a shape (capacity, pattern, schedule, depth, width, budget) share
-    their controls; the FLOPs are those of the first routed variant listed (routers differ by
+    Routed arms that share a shape (capacity, pattern, schedule, depth, width, budget, recursion)
+    share their controls; the FLOPs are those of the first routed variant listed (routers differ by
     a few FLOPs per token, far inside the tolerance).
     """
     wanted = study.settings.controls
@@ -130,13 +143,16 @@ def control_arms(study: Study) -> list[Arm]:
     out: dict[Arm, None] = {}
     seen_shapes: set[tuple] = set()
     for arm in study.main_arms():
-        shape = (arm.capacity, arm.capacity_first, arm.pattern, arm.schedule, arm.depth, arm.width, arm.budget, arm.lr_mult)
+        if "param_matched_dense" in wanted and arm.recursion != "none":
+            out.setdefault(param_matched_arm(study, arm), None)
+        shape = (arm.capacity, arm.capacity_first, arm.pattern, arm.schedule, arm.depth, arm.width, arm.budget, arm.lr_mult,
+                 arm.recursion, arm.recursions, arm.capacities)
         if arm.variant == "dense" or shape in seen_shapes:
             continue
         seen_shapes.add(shape)
         cfg = study.run_config(arm, study.settings.seeds[0])
-        what = (f"C={arm.capacity_first:g}→{arm.capacity:g}" if arm.capacity_first else f"C={arm.capacity:g}") \
-            + f" {arm.pattern}" + (" log" if arm.schedule == "log" else "")
+        what = f"{arm.capacity_text} {arm.pattern}" + (" log" if arm.schedule == "log" else "") \
+            + (f" {arm.recursion_text}" if arm.recursion_text else "")
         if "matched_dense" in wanted:
             depth, width, _ = matched_dense_shape(cfg)
             out.setdefault(canonical_arm("dense", 1.0, "-", "constant", arm.lr_mult, depth, arm.budget, width,
@@ -145,6 +161,15 @@ def control_arms(study: Study) -> list[Arm]:
             out.setdefault(canonical_arm("dense", 1.0, "-", "constant", arm.lr_mult, arm.depth, iso_token_budget(cfg),
                                          arm.width, control=f"iso-tokens of {what}"), None)
     return list(out)
+
+
+def param_matched_arm(study: Study, arm: Arm) -> Arm:
+    """The vanilla dense arm with the parameters of ``arm``'s recursive model: its physical depth at
+    its width (``param_matched_vanilla``), same budget and learning-rate multiplier."""
+    model = study.run_config(arm, study.settings.seeds[0]).model
+    twin = param_matched_vanilla(model)
+    return canonical_arm("dense", 1.0, "-", "constant", arm.lr_mult, twin.layers, arm.budget, twin.width,
+                         control=f"param-matched to L{model.layers} {arm.recursion_text}")
 
 
 def study_arms(study: Study) -> list[Arm]:

@@ -16,7 +16,8 @@ import pandas as pd
 from modbench.config.study import Arm, Study, canonical_arm
 from modbench.track.optuna_store import connect_storage, default_storage, trials_frame
 
-ARM_KEYS = ("variant", "capacity", "pattern", "schedule", "lr_mult", "depth", "budget", "width", "control", "capacity_first")
+ARM_KEYS = ("variant", "capacity", "pattern", "schedule", "lr_mult", "depth", "budget", "width", "control", "capacity_first",
+            "recursion", "recursions", "capacities")
 GROUP_KEYS = ("depth", "width", "budget", "lr_mult")
 FINAL_METRICS = (
     "val/causal_bpb", "val/dense_bpb", "val/causal_gap", "val/dense_gap", "val/causal_agreement",
@@ -51,7 +52,8 @@ def row_arm(row: pd.Series) -> Arm:
     return canonical_arm(row["variant"], row["capacity"], _text(row.get("pattern")) or "-",
                          _text(row.get("schedule")) or "constant", row["lr_mult"], _int(row["depth"]), row["budget"],
                          _int(row.get("width")), 0.0 if first is None or first != first else float(first),
-                         _text(row.get("control")))
+                         _text(row.get("control")), _text(row.get("recursion")) or "none",
+                         _int(row.get("recursions")) or 1, _text(row.get("capacities")))
 
 
 def collect(study: Study, *, uri: str, storage: str | None = None, out_dir: str | Path = "runs/studies",

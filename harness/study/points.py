@@ -75,6 +75,12 @@ def arm_params(arm: Arm) -> dict[str, Any]:
         params["width"] = arm.width
     if arm.capacity_first:
         params["capacity_first"] = arm.capacity_first
+    # Only when set, like width and capacity_first: a vanilla arm's params (its identity in a
+    # study's storage) stay what they were before arms could be recursive.
+    if arm.recursion != "none":
+        params.update(recursion=arm.recursion, recursions=arm.recursions)
+    if arm.capacities:
+        params["capacities"] = arm.capacities
     if arm.control:
         params["control"] = arm.control
     return params
@@ -106,7 +112,8 @@ def arm_from_params(fixed: dict[str, Any]) -> Arm:
     dense = fixed["variant"] == "dense"
     return canonical_arm(fixed["variant"], 1.0 if dense else fixed["capacity"], "-" if dense else fixed["pattern"],
                          "constant" if dense else fixed["schedule"], fixed["lr_mult"], fixed["depth"], fixed["budget"],
-                         fixed.get("width", 0), fixed.get("capacity_first", 0.0), fixed.get("control", ""))
+                         fixed.get("width", 0), fixed.get("capacity_first", 0.0), fixed.get("control", ""),
+                         fixed.get("recursion", "none"), fixed.get("recursions", 1), fixed.get("capacities", ""))
 
 
 def suggest_arm(trial: optuna.Trial, study: Study) -> Arm:
@@ -123,4 +130,6 @@ def suggest_arm(trial: optuna.Trial, study: Study) -> Arm:
 
     variant = pick("variant")
     capacity, pattern, schedule = (1.0, "-", "constant") if variant == "dense" else (pick("capacity"), pick("pattern"), pick("schedule"))
-    return canonical_arm(variant, capacity, pattern, schedule, pick("lr_mult"), pick("depth"), pick("budget"))
+    # A sampled space has one recursion (the [model]'s: modbench.config.study refuses more)
+    return canonical_arm(variant, capacity, pattern, schedule, pick("lr_mult"), pick("depth"), pick("budget"),
+                         recursion=space["recursion"][0], recursions=space["recursions"][0])

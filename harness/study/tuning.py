@@ -1,12 +1,12 @@
 """The tuning protocol of a study with a ``[tune]`` table: which trials each stage queues.
 
 Best against best (issue "Best against best"): every *family* a claim compares — an arm without
-its learning-rate multiplier: each routed arm, each dense size, the FLOP-matched dense — runs the
-study's grid of ``lr_mult`` on the tuning seed. A family whose best value (on validation,
-``SELECT``) sits at an edge of what it tried gets the next value past that edge (×2 or ÷2) until
-the best is interior (*bracketed*) or the declared limit is reached (*unbracketed*). A trial that
-failed or diverged counts as worse than every finished one (its reason is kept), never as
-missing. The stages, in order (``plan``):
+its learning-rate multiplier: each routed arm, each dense size, the FLOP-matched dense, a recursive
+dense model and its param-matched vanilla twin — runs the study's grid of ``lr_mult`` on the tuning
+seed. A family whose best value (on validation, ``SELECT``) sits at an edge of what it tried gets
+the next value past that edge (×2 or ÷2) until the best is interior (*bracketed*) or the declared
+limit is reached (*unbracketed*). A trial that failed or diverged counts as worse than every
+finished one (its reason is kept), never as missing. The stages, in order (``plan``):
 
 1. ``tune``: the grid, each tuned family, the tuning seed.
 2. ``extend``: one value past each edge best (repeated while a family's best is at an edge).
@@ -124,8 +124,10 @@ def declared_families(study: Study) -> list[Arm]:
 
 
 def _same_shape(a: Arm, b: Arm) -> bool:
-    return (a.capacity, a.capacity_first, a.pattern, a.schedule, a.depth, a.width, a.budget) == \
-        (b.capacity, b.capacity_first, b.pattern, b.schedule, b.depth, b.width, b.budget)
+    return (a.capacity, a.capacity_first, a.pattern, a.schedule, a.depth, a.width, a.budget, a.recursion, a.recursions,
+            a.capacities) == \
+        (b.capacity, b.capacity_first, b.pattern, b.schedule, b.depth, b.width, b.budget, b.recursion, b.recursions,
+         b.capacities)
 
 
 def leader_of(family: Arm, families: Iterable[Arm]) -> Arm | None:
@@ -149,7 +151,9 @@ def tuned_families(study: Study, points: Iterable[TrialPoint] = ()) -> list[Arm]
 
 
 def _plain_dense(f: Arm) -> bool:
-    return f.variant == "dense" and not f.control
+    """A dense size of the isoFLOP comparison: a vanilla dense model, neither a derived control nor
+    recursive (a recursive dense model is a family of its own, confirmed whichever size is best)."""
+    return f.variant == "dense" and not f.control and f.recursion == "none"
 
 
 def _learned(f: Arm) -> bool:
@@ -402,7 +406,8 @@ def points_from_frame(trials: pd.DataFrame) -> list[TrialPoint]:
     report's ``ReportData.trials``): arm columns, seed, state, metrics, fail_reason."""
     from modbench.study.points import arm_from_params
 
-    keys = ("variant", "capacity", "pattern", "schedule", "lr_mult", "depth", "budget", "width", "capacity_first", "control")
+    keys = ("variant", "capacity", "pattern", "schedule", "lr_mult", "depth", "budget", "width", "capacity_first", "control",
+            "recursion", "recursions", "capacities")
     out = []
     for _, row in trials.iterrows():
         params = {k: row[k] for k in keys if k in row and not _missing_value(row[k])}
