@@ -322,6 +322,22 @@ def test_mor_causal_rule_is_hierarchical():
         assert not (after & ~before).any()
 
 
+def test_a_step_at_capacity_one_processes_every_token_causally_too():
+    """Top-k at capacity 1 takes every token, so the causal rule of that step (mor's first step with
+    capacities 1, 2/3, 1/3) takes every token as well — an untrained router's r ≥ 0 takes about half."""
+    torch.manual_seed(0)
+    m = GPT(cfg("middle_cycle", 3, 5, max_seq_len=96),
+            RoutingConfig("mor", capacity=1 / 3, capacities="1,2/3,1/3", pattern="fixed:1,1")).eval()
+    m.set_collect_stats(True)
+    idx = torch.randint(0, 256, (2, 96))
+    seen, decide = [], m.layers[1].decide
+    m.layers[1].decide = lambda x, previous: (seen.append(x), decide(x, previous))[1]  # the first step's input
+    with torch.no_grad():
+        decides = [s["decide"] for s in m(idx, routing_mode="causal").stats]
+        assert 0 < (m.routers[0].logit(seen[0]) >= 0).float().mean() < 1  # its own rule would skip some
+    assert decides[0].all() and not decides[1].all()
+
+
 @pytest.mark.parametrize("options", [{"sampling": "aux_router"}, {"sampling": "aux_router", "z_weight": 1e-3},
                                      {"update": "delta", "temperature": 2.0}])
 def test_mor_options_keep_flops_and_decoding_exact(options):

@@ -443,9 +443,13 @@ class RoutedBlock(nn.Module):
         decision itself). A router that assigns each token's depth at the first routed layer
         (``assign_causal``, ``mor_token_choice``) returns both: its assignment, handed on as ``previous``."""
         assign = getattr(self.router, "assign_causal", None)
-        if assign is None:
-            return self.router.decide_causal_given(x, previous), None
-        return assign(x, previous)
+        if assign is not None:
+            return assign(x, previous)
+        if self.capacity.is_dense and not self.router.variable_count:
+            # Top-k at capacity 1 processes every token (mor's first recursion step at capacity 1, as in
+            # ``capacities = "1,2/3,1/3"``), so the causal rule does too, whatever the router's predictor says.
+            return torch.ones(x.shape[:2], dtype=torch.bool, device=x.device), None
+        return self.router.decide_causal_given(x, previous), None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, previous: Tensor | None = None,
                 share: KVShare | None = None) -> LayerOutput:
