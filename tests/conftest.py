@@ -30,3 +30,21 @@ def _isolated_mlflow(monkeypatch):
     yield
     if "mlflow" in sys.modules:
         sys.modules["mlflow"].set_tracking_uri(None)  # also unsets the exported variable
+
+
+@pytest.fixture
+def one_training_step():
+    """``step(build)``: seed 3, ``build()`` a GPT, one AdamW step on a random batch (LM + weighted aux
+    losses); returns (the parameters after the step, the loss). Two calls compare bit for bit."""
+
+    def step(build) -> tuple[torch.Tensor, float]:
+        torch.manual_seed(3)
+        m = build()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        idx = torch.randint(0, 256, (2, m.cfg.max_seq_len))
+        out = m(idx, idx)
+        (out.loss + m.weighted_aux_loss(out.aux_losses, 0)).backward()
+        opt.step()
+        return torch.nn.utils.parameters_to_vector(m.parameters()).detach(), out.loss.item()
+
+    return step

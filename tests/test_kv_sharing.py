@@ -20,7 +20,8 @@ from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.config.run import RunConfig, TrainConfig
 from modbench.errors import ModbenchError
 from modbench.model.decode import Decoder, SharedLayerCache, generate
-from modbench.model.gpt import GPT, KVAccess, KVShare, RoutedBlock, apply_rope
+from modbench.model.gpt import GPT, RoutedBlock, apply_rope
+from modbench.model.kv_sharing import KVAccess, KVShare
 from modbench.run.causal_eval import calibrate_causal_rules, leak_rate
 
 T = 32
@@ -297,18 +298,9 @@ def test_kv_bytes_count_step_0s_slots_only(name):
     assert dec.kv_bytes_per_token < bytes_["own"].kv_bytes_per_token
 
 
-def test_same_seed_same_model_and_step_bit_for_bit():
-    def one_step() -> tuple[torch.Tensor, float]:
-        torch.manual_seed(3)
-        m = GPT(cfg(), RoutingConfig("mor", 1 / 3, pattern="fixed:1,1", capacities="1,2/3,1/3"))
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        idx = torch.randint(0, 256, (2, T))
-        out = m(idx, idx)
-        (out.loss + m.weighted_aux_loss(out.aux_losses, 0)).backward()
-        opt.step()
-        return torch.nn.utils.parameters_to_vector(m.parameters()).detach(), out.loss.item()
-
-    (a, la), (b, lb) = one_step(), one_step()
+def test_same_seed_same_model_and_step_bit_for_bit(one_training_step):
+    build = lambda: GPT(cfg(), RoutingConfig("mor", 1 / 3, pattern="fixed:1,1", capacities="1,2/3,1/3"))  # noqa: E731
+    (a, la), (b, lb) = one_training_step(build), one_training_step(build)
     assert la == lb and torch.equal(a, b)
 
 

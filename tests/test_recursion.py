@@ -194,18 +194,9 @@ def test_matched_dense_control_of_a_recursive_arm_is_a_vanilla_model():
 
 
 # --- determinism, causality and the KV cache ----------------------------------------------------
-def test_same_seed_same_model_and_step_bit_for_bit():
-    def one_step() -> tuple[torch.Tensor, float]:
-        torch.manual_seed(3)
-        m = GPT(cfg("middle_cycle", 2, 4), RoutingConfig("sigmoid", 0.5, pattern="fixed:1,1"))
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        idx = torch.randint(0, 256, (2, T))
-        out = m(idx, idx)
-        (out.loss + m.weighted_aux_loss(out.aux_losses, 0)).backward()
-        opt.step()
-        return torch.nn.utils.parameters_to_vector(m.parameters()).detach(), out.loss.item()
-
-    (a, la), (b, lb) = one_step(), one_step()
+def test_same_seed_same_model_and_step_bit_for_bit(one_training_step):
+    build = lambda: GPT(cfg("middle_cycle", 2, 4), RoutingConfig("sigmoid", 0.5, pattern="fixed:1,1"))  # noqa: E731
+    (a, la), (b, lb) = one_training_step(build), one_training_step(build)
     assert la == lb and torch.equal(a, b)
 
 

@@ -90,6 +90,11 @@ class Routing:
     stats: dict[str, Tensor]
     valid: Tensor | None = None
     skip_scale: Tensor | None = None  # (B, T) multiplier on skipped tokens' residual (p-MoD's STRing), fixed k only
+    # A router that chooses each token's depth up front (``mor_token_choice``): per slot, what a processed
+    # token's w·(x + Δ) is added to instead of x ((B, k, d)), and what the next routed layer receives as
+    # ``previous`` instead of the processed mask (its ``DepthAssignment``).
+    base: Tensor | None = None
+    handoff: Any = None
 
     def processed(self, seq_len: int) -> Tensor:
         """(B, T) bool: the positions this layer processes."""
@@ -269,6 +274,8 @@ class Router(nn.Module):
     # Only a weight elementwise in the token's own score can be "mlp" (the causal paths recompute it
     # from the token's state inside the block; see ``RoutedBlock.routed_delta``).
     weight_scope: Literal["block", "mlp"] = "block"
+    # True: the weight multiplies the block's output x + Δ, not its delta (``mor``'s update="output").
+    weights_block_output: bool = False
 
     def __init__(self, config: VariantConfig) -> None:
         super().__init__()

@@ -124,15 +124,6 @@ class DepthAssignment:
     base: Tensor  # (B, T, d)
 
 
-@dataclass(frozen=True)
-class DepthRouting(Routing):
-    """``Routing`` with a step's base per slot (processed slots become base + w·(x + Δ)) and the assignment
-    the next routed layer receives (``RoutedBlock`` reads both)."""
-
-    base: Tensor | None = None  # (B, k, d)
-    handoff: DepthAssignment | None = None
-
-
 class MorTokenChoiceRouter(VariableCountRouter):
     """Token-choice depth at the first routed layer; later routed layers follow it (see module doc)."""
 
@@ -233,7 +224,7 @@ class MorTokenChoiceRouter(VariableCountRouter):
     def decide_causal_given(self, x: Tensor, previous: object) -> Tensor:
         return self.assign_causal(x, previous)[0]
 
-    def route(self, x: Tensor, k: int, previous: object = None) -> DepthRouting:
+    def route(self, x: Tensor, k: int, previous: object = None) -> Routing:
         before, logits, depth, gate, entry, step, probs = self._start(x, previous)
         B, T, d = x.shape
         margin = self.margin(logits, step)
@@ -256,7 +247,7 @@ class MorTokenChoiceRouter(VariableCountRouter):
                 stats["mean_depth"] = depth.float().mean()
             if self.collect_causal:
                 stats["causal_decide"] = self.decide_causal_given(x, previous)
-        return DepthRouting(index=index, weight=weight, aux_losses=aux, stats=stats, valid=valid, base=base, handoff=a)
+        return Routing(index=index, weight=weight, aux_losses=aux, stats=stats, valid=valid, base=base, handoff=a)
 
     # --- losses, FLOPs ---------------------------------------------------------------------------
     def balance_losses(self, logits: Tensor, depth: Tensor, probs: Tensor) -> dict[str, Tensor]:

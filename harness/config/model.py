@@ -77,7 +77,7 @@ class ModelConfig:
     recursion: str = "none"  # weight sharing: 'none', 'cycle' or 'middle_cycle' (MoR's)
     recursions: int = bounded(1, 1, 4)  # N_R: applications of the shared block (1 without recursion)
     # Recursive KV sharing (MoR §2.3): every later application of the shared block attends to the keys and
-    # values its first application computed, and computes none of its own (``modbench.model.gpt.KVShare``).
+    # values its first application computed, and computes none of its own (``modbench.model.kv_sharing.KVShare``).
     # False: each application computes and caches its own (recursion-wise caching, MoR §2.2).
     kv_sharing: bool = False
 

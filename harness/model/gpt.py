@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from modbench.variants import Router, get_variant
 
 from modbench.model import flops as flop_math
+from modbench.model.kv_sharing import KVAccess, KVShare, kv_access
 from modbench.model.recursion import recursion_step, sharing_map
 from modbench.config.capacity import CapacitySchedule
 from modbench.config.model import ModelConfig, RoutingConfig
@@ -157,69 +158,6 @@ class Attention(nn.Module):
         if self.expose:
             self.exposed = attention_summary(q, k, mask)
         return self.output(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
-
-
-# --- recursive KV sharing ------------------------------------------------------------------
-class KVShare:
-    """Recursive KV sharing (Mixture-of-Recursions, arXiv:2507.10524 §2.3; ``ModelConfig.kv_sharing``):
-    the keys and values one layer of the shared block computed at its first application (recursion
-    step 0), which the same layer attends to at every later step instead of computing its own.
-
-    Filled by step 0 in the same forward (``KVAccess`` with ``write``), read by steps ≥ 1.
-    k, v:  (B, H, L, hd), the keys rotated by their own positions.
-    pos:   (B, L) the keys' positions (step 0 ran a gathered subset: top-k mode), or None: 0 … L−1.
-    valid: (B, L) bool, which of the L are keys (the tokens step 0 processed, when it computed more:
-           a causal pass, a variable-count router's unused slots), or None: all.
-    Tokens step 0 skipped have no K/V there, so they are keys at no later step either.
-    """
-
-    def __init__(self) -> None:
-        self.k: Tensor | None = None
-        self.v: Tensor | None = None
-        self.pos: Tensor | None = None
-        self.valid: Tensor | None = None
-
-    def visible(self, positions: Tensor | None, n: int) -> Tensor | None:
-        """(B or 1, n, L) bool: key j visible to query i iff pos_j <= pos_i and j is valid; None when
-        that is the plain causal mask (step 0 and these queries cover positions 0 … n−1 alike)."""
-        L = self.k.shape[-2]
-        if self.pos is None and self.valid is None and positions is None and n == L:
-            return None
-        device = self.k.device
-        kpos = self.pos if self.pos is not None else torch.arange(L, device=device).unsqueeze(0)
-        qpos = positions if positions is not None else torch.arange(n, device=device).unsqueeze(0)
-        vis = kpos.unsqueeze(-2) <= qpos.unsqueeze(-1)
-        return vis if self.valid is None else vis & self.valid.unsqueeze(-2)
-
-
-@dataclass
-class KVAccess:
-    """How one application of a shared layer uses its ``KVShare`` (the layer's ``kv_step``): step 0
-    (``write``) attends as usual and records its K/V; a later step attends with its own queries to
-    the recorded K/V. positions: (B, n) positions of the tokens attending (a gathered subset), None:
-    0 … n−1. valid: (B, n) bool, step 0's tokens that are keys (None: all)."""
-
-    share: KVShare
-    write: bool
-    positions: Tensor | None = None
-    valid: Tensor | None = None
-
-    def attend(self, attn: "Attention", h: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
-        s = self.share
-        if self.write:  # step 0: the layer's own attention (``mask`` as without sharing), K/V recorded
-            q, k, v = attn.project(h, cos, sin)
-            s.k, s.v, s.pos, s.valid = k, v, self.positions, self.valid
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-            return attn.output(y)
-        q = attn.query(h, cos, sin)  # a later step: queries only (``mask``, for its own keys, does not apply)
-        vis = s.visible(self.positions, q.shape[-2])
-        if vis is None:
-            return attn.output(F.scaled_dot_product_attention(q, s.k.to(q.dtype), s.v.to(q.dtype), is_causal=True))
-        # A query with no key (a token before every token step 0 processed) gets a zero attention output:
-        # it sees every key (a finite row) and is zeroed after, rather than a NaN softmax over nothing.
-        has = vis.any(-1, keepdim=True)
-        y = F.scaled_dot_product_attention(q, s.k.to(q.dtype), s.v.to(q.dtype), attn_mask=(vis | ~has).unsqueeze(-3))
-        return attn.output(y * has.unsqueeze(-3).to(y.dtype))
 
 
 class MLP(nn.Module):
@@ -367,13 +305,6 @@ class LayerOutput:
     handoff: object | None = None
 
 
-def kv_access(step: int | None, share: KVShare | None, positions: Tensor | None = None,
-              valid: Tensor | None = None) -> dict[str, KVAccess]:
-    """The attention keyword of a layer position under recursive KV sharing (its ``kv_step``: 0 writes,
-    later steps read), or nothing without a ``share``."""
-    return {} if share is None else {"kv": KVAccess(share, step == 0, positions, valid)}
-
-
 class RoutedBlock(nn.Module):
     """A block whose router picks the k tokens it processes (scope 'block' or 'mlp')."""
 
@@ -390,7 +321,7 @@ class RoutedBlock(nn.Module):
         self.base_capacity = capacity  # after any warm-up
         # A router may weight the block's output x + Δ rather than its delta Δ (``mor``'s update, as the
         # Mixture-of-Recursions code's scatter_add of g·block(x)): a processed token becomes x + w·(x + Δ).
-        self.weights_output = bool(getattr(router, "weights_block_output", False))
+        self.weights_output = router.weights_block_output
         self.capacity = capacity  # at the current training step (GPT.set_step)
 
     # The router's scope is read here, and only here: what runs on every token before routing,
@@ -477,9 +408,8 @@ class RoutedBlock(nn.Module):
             delta = delta * r.weight.to(delta.dtype)
         # Under autocast the delta leaves the linears in bf16 while the residual stream stays fp32.
         delta = delta.reshape(B * k, d).to(flat.dtype)
-        base = getattr(r, "base", None)  # (B, k, d): what w·(x + Δ) is added to instead of x (mor_token_choice)
-        if base is not None:  # processed slots become base + w·(x + Δ); unused slots stay x
-            new = base.reshape(B * k, d).to(flat.dtype) + delta
+        if r.base is not None:  # mor_token_choice: processed slots become base + w·(x + Δ); unused slots stay x
+            new = r.base.reshape(B * k, d).to(flat.dtype) + delta
             if r.valid is not None:
                 new = torch.where(r.valid.reshape(B * k, 1), new, xs.reshape(B * k, d))
             out = flat.index_copy(0, rows, new).view(B, T, d)
@@ -493,7 +423,7 @@ class RoutedBlock(nn.Module):
         aux = r.aux_losses
         if isinstance(self.block.mlp, TopOneMoE) and self.training:
             aux = {**aux, "expert_balance": self.block.mlp.balance}
-        return LayerOutput(out, aux, stats, processed, self._exposed(r.index, T), getattr(r, "handoff", None))
+        return LayerOutput(out, aux, stats, processed, self._exposed(r.index, T), r.handoff)
 
     def _exposed(self, index: Tensor, seq_len: int) -> AttentionSummary | None:
         """The attention summary of the selected subset, scattered to all positions (0 where skipped)."""

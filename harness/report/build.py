@@ -141,16 +141,7 @@ def build_report(study_path: str | Path, *, uri: str, storage: str | None = None
     dest.mkdir(parents=True, exist_ok=True)
     data.trials.to_csv(dest / "trials.csv", index=False)
     data.curves.to_csv(dest / "curves.csv", index=False)
-    lines = [f"# Study report: {study.name}", "", study.settings.description, ""]
-    counts = data.trials.state.value_counts().to_dict() if len(data.trials) else {}
-    if study.tune.lr_mult:  # a staged study plans as it goes (modbench.study.tuning): what its stages queued
-        planned = f"{len(data.trials)} queued by its stages so far"
-    else:
-        planned = f"{(len(study_arms(study)) if study.settings.sampler == 'grid' else study.settings.n_trials) * len(study.settings.seeds)} planned"
-    lines += [f"Trials: {counts.get('COMPLETE', 0)} complete of {planned}"
-              + "".join(f", {n} {s.lower()}" for s, n in sorted(counts.items()) if s != "COMPLETE")
-              + f"; seeds per arm: {len(study.settings.seeds)}; dataset `{study.base.train.dataset}`; "
-              f"every arm trains for the same budget `{study.base.train.budget}`" + (" (per group)" if "budget" in study.space and len(study.space["budget"]) > 1 else "") + ".", ""]
+    lines = [f"# Study report: {study.name}", "", study.settings.description, ""] + _count_lines(study, data)
     if data.done.empty:
         lines += ["**No trial has finished yet**, so there is nothing to compare. Run `modbench study run` first.", ""]
         return _finish(lines, data, dest, study_path, command)
@@ -162,7 +153,35 @@ def build_report(study_path: str | Path, *, uri: str, storage: str | None = None
     comp, notes = comparisons(data, arms)
     if not comp.empty:
         comp.to_csv(dest / "comparisons.csv", index=False)
+    lines += _topk_lines(study, arms, comp, notes)
+    curves_png = figures.validation_curves(data.curves, dest / "curves.png") if len(data.curves) else None
+    if curves_png:
+        lines += ["## Validation curves", "", "![validation curves](curves.png)", ""]
+    lines += _pareto_lines(arms, dest) + _throughput_lines(arms, dest)
+    lines += _causal_section(data)
+    lines += _routing_section(data, dest, uri, progress)
+    return _finish(lines, data, dest, study_path, command)
+
+
+def _count_lines(study, data) -> list[str]:
+    """The trial count (what a staged study's stages queued so far, else what the grid plans), seeds,
+    dataset and budget."""
+    counts = data.trials.state.value_counts().to_dict() if len(data.trials) else {}
+    if study.tune.lr_mult:  # a staged study plans as it goes (modbench.study.tuning): what its stages queued
+        planned = f"{len(data.trials)} queued by its stages so far"
+    else:
+        planned = f"{(len(study_arms(study)) if study.settings.sampler == 'grid' else study.settings.n_trials) * len(study.settings.seeds)} planned"
+    return [f"Trials: {counts.get('COMPLETE', 0)} complete of {planned}"
+            + "".join(f", {n} {s.lower()}" for s, n in sorted(counts.items()) if s != "COMPLETE")
+            + f"; seeds per arm: {len(study.settings.seeds)}; dataset `{study.base.train.dataset}`; "
+            f"every arm trains for the same budget `{study.base.train.budget}`" + (" (per group)" if "budget" in study.space and len(study.space["budget"]) > 1 else "") + ".", ""]
+
+
+def _topk_lines(study, arms: pd.DataFrame, comp: pd.DataFrame, notes: list[str]) -> list[str]:
+    """The per-group diagnostics on validation top-k bpb: the summary, the arm table and the
+    comparisons against each group's dense arm."""
     table, sentences = summary_rows(arms, comp)
+    lines = []
     if study.settings.claims:
         lines += ["# Details", "", "The sections below are per-group diagnostics on validation top-k bpb (the training-time "
                   "rule); the claims above are the study's answers.", ""]
@@ -188,30 +207,32 @@ def build_report(study_path: str | Path, *, uri: str, storage: str | None = None
                      "mwu_min_p_adj", "can_reach_significance", "note"]]
         lines += _comparison_heading(bool(study.settings.claims), comp)
         lines += [md_table(show.assign(can_reach_significance=show.can_reach_significance.map({True: "yes", False: "no"}))), ""]
+    return lines
 
-    curves_png = figures.validation_curves(data.curves, dest / "curves.png") if len(data.curves) else None
-    if curves_png:
-        lines += ["## Validation curves", "", "![validation curves](curves.png)", ""]
 
+def _pareto_lines(arms: pd.DataFrame, dest: Path) -> list[str]:
+    """The Pareto fronts (bpb against FLOPs per token and against measured tokens/s), with their figures."""
     front_flops = pareto_front(arms.assign(m=arms["mean"].astype(float)), minimize=["m", "flops_per_token"])
     front_speed = pareto_front(arms.assign(m=arms["mean"].astype(float)), minimize=["m"], maximize=["tokens_per_s"])
     figures.pareto_scatter(arms, "flops_per_token", "training FLOPs per token", front_flops, dest / "pareto_flops.png")
     figures.pareto_scatter(arms, "tokens_per_s", "training tokens / s", front_speed, dest / "pareto_speed.png")
-    lines += ["## Pareto fronts", "",
-              "Arms not dominated in (validation bpb ↓, FLOPs per token ↓): " + ", ".join(arms[front_flops.values]["arm"]) + ".", "",
-              "![bpb vs FLOPs](pareto_flops.png)", "",
-              "Arms not dominated in (validation bpb ↓, tokens/s ↑) — wall-clock on this machine: " + ", ".join(arms[front_speed.values]["arm"]) + ".", "",
-              "![bpb vs tokens/s](pareto_speed.png)", ""]
+    return ["## Pareto fronts", "",
+            "Arms not dominated in (validation bpb ↓, FLOPs per token ↓): " + ", ".join(arms[front_flops.values]["arm"]) + ".", "",
+            "![bpb vs FLOPs](pareto_flops.png)", "",
+            "Arms not dominated in (validation bpb ↓, tokens/s ↑) — wall-clock on this machine: " + ", ".join(arms[front_speed.values]["arm"]) + ".", "",
+            "![bpb vs tokens/s](pareto_speed.png)", ""]
+
+
+def _throughput_lines(arms: pd.DataFrame, dest: Path) -> list[str]:
+    """The capacity figure (several capacities only) and the measured throughput bars."""
+    lines = []
     if arms[arms.variant != "dense"]["capacity"].nunique() > 1:
         figures.capacity_vs_bpb(arms, dest / "capacity.png")
         lines += ["## Capacity", "", "![capacity vs bpb](capacity.png)", ""]
     figures.throughput_bars(arms, dest / "throughput.png")
-    lines += ["## Throughput", "", "Measured training throughput: tokens/s of each arm's fastest seed (other processes "
-              "can only slow a run down); FLOPs are analytic (see modbench.model.flops).", "",
-              "![throughput](throughput.png)", ""] + _throughput_caveat(arms)
-    lines += _causal_section(data)
-    lines += _routing_section(data, dest, uri, progress)
-    return _finish(lines, data, dest, study_path, command)
+    return lines + ["## Throughput", "", "Measured training throughput: tokens/s of each arm's fastest seed (other processes "
+                    "can only slow a run down); FLOPs are analytic (see modbench.model.flops).", "",
+                    "![throughput](throughput.png)", ""] + _throughput_caveat(arms)
 
 
 def _throughput_caveat(arms: pd.DataFrame, tolerance: float = SPEED_SPREAD_TOLERANCE) -> list[str]:
