@@ -168,7 +168,7 @@ def test_the_model_free_control_count_is_what_sizing_derives(name):
 def test_the_protocol_tunes_and_confirms_the_recursive_dense_model_as_a_family_of_its_own():
     s = load_study(SHIPPED)
     families = tuning.tuned_families(s)
-    assert len(families) == 6 and all(f.lr_mult == 1.0 for f in families)
+    assert len(families) == 7 and all(f.lr_mult == 1.0 for f in families)
     # every family's grid on seed 0, the vanilla dense the best of the dense models
     points = []
     for i, f in enumerate(families):
@@ -200,7 +200,8 @@ def test_a_tiny_copy_of_the_shipped_study_runs_and_reports(tmp_cwd):
     path.write_text(tomli_w.dumps(raw))
     s = load_study(path)
     labels = [s.label(a) for a in study_arms(s)]
-    assert len(labels) == 6 and {"dense middle_cycle N_R=3", "mor C=1,2/3,1/3 fixed:1,1 middle_cycle N_R=3"} <= set(labels)
+    assert len(labels) == 7 and {"dense middle_cycle N_R=3", "mor C=1,2/3,1/3 fixed:1,1 middle_cycle N_R=3",
+                                 "mor_token_choice C=1,2/3,1/3 fixed:1,1 middle_cycle N_R=3"} <= set(labels)
     assert main(["study", "run", str(path), "--quiet"]) == 0
     from modbench.track.optuna_store import trials_frame
 

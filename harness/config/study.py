@@ -98,7 +98,7 @@ SPACE_DEFAULTS: dict[str, list[Any]] = {
     "recursion": [], "recursions": [], "capacities": [""],  # recursion(s): the [model]'s, like depth
 }
 RECURSION_KEYS = ("recursion", "recursions", "capacities")  # grid studies only (suggest_arm samples none of them)
-CAPACITIES_VARIANTS = ("mor",)  # per-step capacities are Mixture-of-Recursions' (variants/mor.py)
+CAPACITIES_VARIANTS = ("mor", "mor_token_choice")  # per-step capacities are Mixture-of-Recursions' (variants/mor.py, mor_token_choice.py)
 CONTROLS = ("matched_dense", "iso_token_dense", "param_matched_dense")
 CLAIMS = ("mod_vs_best_dense", "learned_vs_random", "causal_rule", "methods_vs_sigmoid")  # see modbench.report.claims
 TOP_KEYS = ("study", "model", "train", "options", "space", "tune", "claims")
