@@ -4,8 +4,9 @@
 #   OUT=/some/folder bash tools/gpu_session.sh
 #
 # Parts run one after another (never two on the GPU at once), in the order of what they decide:
-# the routed model and block bars (T = 2048, C = 0.125), the decode bar, dense MFU, a CUDA
-# smoke of `modbench train`, a torch.profiler table of the routed block, then the CUDA-only
+# the routed model and block bars (T = 2048, C = 0.125), the decode bar, dense MFU, a profile of
+# the decode step (tools/profile_decode.py), a CUDA smoke of `modbench train`, a torch.profiler
+# table of the routed block, then the CUDA-only
 # correctness tests of tests/bench. Each part has its own time cap (SIGINT, so pytest still
 # writes its JSON) and a part starts only while the session's deadline allows. The device tool
 # brings back at most a handful of files, and a later command's copy of the working tree removes
@@ -50,12 +51,15 @@ part() {
 log "environment: $(head -n 2 "$LOGS/environment.txt" | tail -n 1)"
 
 part setup     60 make --no-print-directory gpu-bench-setup
-part model     90 make --no-print-directory gpu-bench-model GPU_K_model="cuda and T2048 and (dense or sigmoid-C0.125)"
+part model    120 make --no-print-directory gpu-bench-model GPU_K_model="cuda and T2048 and (dense or sigmoid-C0.125)"
 part block     80 make --no-print-directory gpu-bench-block GPU_K_block="cuda and T2048 and (dense or sigmoid-C0.125)"
-part decode   100 make --no-print-directory gpu-bench-decode GPU_K_decode="cuda and (B1- or B64-) and not alternate"
-part mfu      130 make --no-print-directory gpu-bench-mfu GPU_K_mfu="cuda and T2048"
+# (each decode entry is ~17 s on an H100: three whole generations and their dense references)
+part decode   100 make --no-print-directory gpu-bench-decode GPU_K_decode="cuda and (B1- or B64-) and (dense or sigmoid-C0.125-fixed)"
+part mfu      110 make --no-print-directory gpu-bench-mfu GPU_K_mfu="cuda and T2048"
 part report    20 make --no-print-directory gpu-bench-report
-part smoke     50 make --no-print-directory gpu-smoke GPU_SMOKE_STEPS=20
+part decprof   60 env PYTHONPATH="$PWD/build/gpu-pkg" python3 tools/profile_decode.py --device cuda --batch 64 \
+                    --new 24 --rounds 3 --top 25
+part smoke     40 make --no-print-directory gpu-smoke GPU_SMOKE_STEPS=20
 part profile   40 env PYTHONPATH="$PWD/build/gpu-pkg" python3 -m modbench.bench.profile_block --device cuda \
                     --variant sigmoid --capacity 0.125 --seq-len 2048 --batch 32 --rounds 10 --steps 3 --top 30
 part tests    600 env PYTHONPATH="$PWD/build/gpu-pkg" python3 -m pytest -p no:cacheprovider -q tests/bench \

@@ -254,3 +254,24 @@ def test_header_states_the_run_conditions_from_the_entries_not_from_typed_notes(
     for part in ("2 logical CPUs", "torch threads 1", "load average 4.3–5.2", "55%–59% of the CPU", "3–5 paired rounds",
                  "d=512, depth 8, prompt 32 + 32 new tokens, fp32", "peak 98.5 GFLOP/s", "bandwidth 24.7 GB/s"):
         assert part in text, part
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_committed_gpu_tables_are_what_the_table_command_makes_of_their_json(gpu, tmp_path):
+    """reports/bench/<gpu>.md (issue 30's lent-machine measurements) is the table command's output
+    for reports/bench/<gpu>.json, the merged JSON of the session's parts: every row and every bar
+    line, so no figure in it was typed or left stale; and it answers the decode bar at batch 64."""
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "reports" / "bench"
+    md = tmp_path / f"{gpu}.md"
+    assert bench_table.main([str(bench / f"{gpu}.json"), "--markdown", str(md)]) == 0
+
+    def rows(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith(("| ", "- "))]
+
+    committed = rows((bench / f"{gpu}.md").read_text())
+    assert committed and committed == rows(md.read_text())
+    bars = [line for line in committed if line.startswith("- ")]
+    assert any(line.startswith("- decode sigmoid") and "B=64" in line for line in bars), bars
+    assert any(line.startswith("- mfu dense d=1024") for line in bars), bars
