@@ -218,3 +218,23 @@ def test_a_tiny_copy_of_the_shipped_study_runs_and_reports(tmp_cwd):
     text = (tmp_cwd / "reports" / "tiny_rvr" / "report.md").read_text()
     for label in labels:
         assert label in text, label
+    # The opening answers with each arm's decode costs, measured on its checkpoint, before the claims table.
+    opening = text.split("## Claims")[0]
+    assert "KV bytes/token" in opening and "KV-cached tokens/s (1 CPU thread)" in opening
+    import json
+
+    summary = json.loads((tmp_cwd / "reports" / "tiny_rvr" / "summary.json").read_text())
+    costs = {c["arm"]: c for c in summary["decode_costs"]}
+    assert set(costs) == set(labels)
+    for arm in summary["degenerate_arms"]:  # (after 4 steps, sigmoid's router has collapsed)
+        assert f"{arm} (degenerate: in no claim)" in opening
+    d = raw["model"]["n_embd"]
+    # a dense model caches K and V (fp32) of every token at every layer: 2·layers·d·4 bytes; L3 and L5 exactly
+    assert costs["dense"]["kv_bytes_per_token"] == 2 * 5 * d * 4 and costs["dense"]["decode_share"] == 1.0
+    param_matched = next(label for label in labels if "param-matched" in label)
+    assert costs[param_matched]["kv_bytes_per_token"] == 2 * 3 * d * 4
+    assert costs[param_matched]["params"] == costs["dense middle_cycle N_R=3"]["params"] < costs["dense"]["params"]
+    # recursion-wise caching: mor's later steps cache only the tokens they process (never more than dense)
+    mor = costs["mor C=1,2/3,1/3 fixed:1,1 middle_cycle N_R=3"]
+    assert 2 * 2 * d * 4 <= mor["kv_bytes_per_token"] <= costs["dense middle_cycle N_R=3"]["kv_bytes_per_token"]
+    assert all(c["decode_tokens_per_s"] > 0 and 0 < c["decode_share"] <= 1 for c in costs.values())

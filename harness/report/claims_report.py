@@ -15,6 +15,10 @@ dense isoFLOP profile, the tuning table and ``summary.json``:
     tuning:    [{family, grid, best_lr_mult, bracketed, …}]      (studies with [tune])
     compute:   {trials, complete, wall_s, trial_s, train_flops}
 
+The opening also holds, per compared arm, its measured decode costs (``modbench.report.decode_costs``
+on the arm's first compared seed's checkpoint): KV bytes per token and KV-cached tokens/s, beside its
+parameters and its training and decode FLOPs per token (``decode_costs`` in summary.json).
+
 Every number here is computed from the study's trials by this command.
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,10 +42,11 @@ from modbench.report import figures
 from modbench.report.baselines import WINDOW_ORDER, Baselines, fit_ngrams, sanity_baselines
 from modbench.report.claims import HEADLINE, SELECT, arm_summary, test_claims
 from modbench.report.collect import ReportData, row_arm
+from modbench.report.decode_costs import BATCH, THREADS, measure_checkpoint
 from modbench.report.effects import compare_effects
 from modbench.report.isoflop import MIN_SIZES, best_lr_points, dense_reference, profiles
 
-SUMMARY_VERSION = 2
+SUMMARY_VERSION = 3  # 3: decode_costs
 TOPK = "test/bpb"  # the training-time (top-k) rule on the same test windows
 LEARNED_VS_RANDOM = "C2"
 MOD_VS_DENSE = "C1"
@@ -310,6 +316,47 @@ def topk_beside_causal_lines(done: pd.DataFrame, effects: pd.DataFrame) -> list[
             "learned router's advantage.", "", pd.DataFrame(rows).to_markdown(index=False), ""]
 
 
+def measured_decode_costs(data: ReportData, compared: pd.DataFrame) -> pd.DataFrame:
+    """One row per compared arm: ``measure_checkpoint`` on its first compared seed's checkpoint,
+    fetched from the trial's MLflow run. Arms whose trial has no checkpoint are left out."""
+    from modbench.track.records import fetch_checkpoint, read_record
+
+    rows = []
+    if not data.uri or compared.empty or "mlflow_run_id" not in compared:
+        return pd.DataFrame(rows)
+    for arm, g in compared.sort_values("seed").groupby("arm", sort=False):
+        run_id = g.iloc[0]["mlflow_run_id"]
+        record = read_record(data.uri, run_id) if isinstance(run_id, str) else None
+        if record is None or not record.checkpoint:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            costs = measure_checkpoint(fetch_checkpoint(data.uri, record, Path(tmp)))
+        rows.append({"arm": arm, "seed": int(g.iloc[0]["seed"]), **costs})
+    return pd.DataFrame(rows)
+
+
+def arm_cost_lines(arms: pd.DataFrame, costs: pd.DataFrame, flagged: dict[str, str]) -> list[str]:
+    """The opening's per-arm answer: score and what the arm costs to train and to run (a degenerate
+    arm, ``flagged``, is marked: the claims leave it out)."""
+    if costs.empty:
+        return []
+    t = arms.merge(costs, on="arm")
+    show = pd.DataFrame({
+        "arm": [f"{a} (degenerate: in no claim)" if a in flagged else a for a in t["arm"]], "test causal bpb": t["causal_bpb"],
+        "95% CI": ["n/a (n<2)" if lo is None or lo != lo else f"[{lo:.3f}, {hi:.3f}]" for lo, hi in zip(t.causal_ci_low, t.causal_ci_high)],
+        "non-embedding params": t["params"].astype(int), "train FLOPs/token": t["flops_per_token"],
+        "decode FLOPs/token": t["decode_flops_per_token"], "KV bytes/token": t["kv_bytes_per_token"].round(1),
+        "decode share": t["decode_share"], f"KV-cached tokens/s ({THREADS} CPU thread)": t["decode_tokens_per_s"].round(0)})
+    seeds = sorted(set(costs["seed"]))
+    return [f"Per compared arm: its score, and what it costs to train and to run. Decode FLOPs/token: the forward "
+            "cost at the arm's realised causal share (analytic). Measured on each arm's checkpoint of seed "
+            f"{', '.join(map(str, seeds))}, decoding {BATCH} test prompts (the windows' first halves) greedily "
+            "to the full context with the KV cache and the causal rule: KV bytes/token counts the valid cache slots "
+            "(what a skipped token or a shared K/V saves); decode share is the share of routed-layer token "
+            "computations the rule ran. Tokens/s at this width on a CPU is dominated by per-op overhead, not FLOPs: "
+            "it orders the arms on this machine and predicts no accelerator's speed.", "", _table(show), ""]
+
+
 def decode_cost_lines(arms: pd.DataFrame, effects: pd.DataFrame) -> list[str]:
     """Forward (decode) and training FLOPs per token of every compared pair, beside its Δ bpb."""
     if effects.empty:
@@ -564,6 +611,8 @@ def claims_sections(data: ReportData, dest: Path, tuning: TuningTable | None = N
     compute = compute_summary(data.trials)
     lines = regime_lines(arms, base) + protocol_lines(data.study, done)
     lines += [f"- {claim_sentence(c, effects)}" for c in claims] + ([""] if claims else [])
+    costs = measured_decode_costs(data, compared)
+    lines += arm_cost_lines(arms, costs, flagged)
     control = claims_module.positive_control_line(claims)
     lines += ([control, ""] if control else []) + degenerate + [compute_line(compute), ""]
     if claims:
@@ -581,7 +630,7 @@ def claims_sections(data: ReportData, dest: Path, tuning: TuningTable | None = N
                "arms": arms.drop(columns=["variant"]).to_dict(orient="records"),
                "baselines": base["test"].to_dict(), "degenerate_arms": flagged, "compute": compute,
                "reference": isoflop.get("reference"), "isoflop": isoflop,
-               "tuning": tuning.to_dict(orient="records")}
+               "tuning": tuning.to_dict(orient="records"), "decode_costs": costs.to_dict(orient="records")}
     (dest / "summary.json").write_text(json.dumps(_plain(summary), indent=2, allow_nan=False))
     return lines
 
