@@ -181,6 +181,25 @@ def test_controls_join_the_c1_family_and_a_null_effect_is_not_supported():
     assert found[0].verdict.startswith("not supported") and found[0].ci_low < 0 < found[0].ci_high
 
 
+def test_a_better_dense_control_at_the_same_budget_is_c1s_reference_and_other_budgets_never_are():
+    """The isoFLOP-optimal dense model is the best dense size trained at the study's budget: a
+    FLOP- or param-matched control (another size, same budget) better on val becomes C1's
+    reference (and is not compared a second time); the iso-token and positive controls (other
+    budgets) never do."""
+    rows = [("dense", "dense", "", 1.0, 2.60, 2.60), ("sigmoid", "sigmoid", "", 1.0, 2.50, 2.50),
+            ("dense L3 (param-matched)", "dense", "param-matched to L5 middle_cycle N_R=3", 1.0, 2.40, 2.40),
+            ("dense L4 (FLOP-matched)", "dense", "FLOP-matched to C=0.125 alternate", 1.0, 2.45, 2.45),
+            ("dense iso-tokens", "dense", "iso-tokens of C=0.125 alternate", 1.0, 2.20, 2.20),
+            ("dense (positive control)", "dense", "positive control: dense at flops=5e12", 1.0, 2.10, 2.10)]
+    found, eff = claims.mod_vs_best_dense(frame(rows))
+    assert eff.iloc[0]["reference"] == "dense L3 (param-matched)" and eff.iloc[0]["family"] == "primary"
+    assert "(dense L3 (param-matched), best size and LR on val)" in found[0].statement
+    c1 = eff[eff["arm"] == "sigmoid"]  # (the positive control's C1+ row is its own)
+    assert list(c1["reference"]).count("dense L3 (param-matched)") == 1
+    assert {"dense L4 (FLOP-matched)", "dense iso-tokens"} <= set(c1["reference"])  # still secondary rows
+    assert found[0].verdict_class == "worse"  # sigmoid 2.50 vs the best dense size 2.40
+
+
 def test_learned_is_compared_with_its_own_random_control():
     df = frame([("sigmoid", "sigmoid", "", 1.0, 2.4, 2.4), ("random_gated", "random_gated", "", 1.0, 2.6, 2.6),
                 ("norm", "norm", "", 1.0, 2.5, 2.7), ("random", "random", "", 1.0, 2.5, 2.5)])

@@ -141,6 +141,18 @@ def _plain(done: pd.DataFrame) -> pd.Series:
     return control.astype(str) == ""
 
 
+# Derived dense controls trained at the study's own budget (``modbench.model.sizing.control_arms``):
+# other dense sizes at the same training FLOPs, so candidates for the isoFLOP-optimal dense model.
+# (The iso-token control and the positive control train on other budgets and never are.)
+SAME_BUDGET_CONTROLS = ("FLOP-matched to ", "param-matched to ")
+
+
+def _dense_size_at_budget(done: pd.DataFrame) -> pd.Series:
+    """Rows of dense-size candidates at the study's budget: declared arms and same-budget controls."""
+    control = done["control"].fillna("").astype(str) if "control" in done else pd.Series("", index=done.index)
+    return _plain(done) | control.str.startswith(SAME_BUDGET_CONTROLS)
+
+
 def _best(done: pd.DataFrame, mask: pd.Series) -> str | None:
     means = _mean_by_arm(done[mask], SELECT)
     return None if means.empty else str(means.idxmin())
@@ -252,12 +264,13 @@ def mod_vs_best_dense(done: pd.DataFrame, settings: ClaimSettings = ClaimSetting
     flagged = flagged or {}
     ok = done[~done["arm"].isin(flagged)]
     vanilla = ok["recursion"].fillna("none") == "none" if "recursion" in ok else True  # a recursive dense model is an arm
-    dense_best = _best(ok, (ok["variant"] == "dense") & _plain(ok) & vanilla)
+    # the best dense size at this budget on val: the declared dense arms and the same-budget controls
+    dense_best = _best(ok, (ok["variant"] == "dense") & _dense_size_at_budget(ok) & vanilla)
     bests = {v: _best(ok, (ok["variant"] == v) & _plain(ok)) for v in _learned(ok)}
     pairs = [(best, dense_best) for best in bests.values() if best and dense_best]
     variant = _primary_variant(done, settings)
     primary_arm = bests.get(variant)
-    controls = ok[~_plain(ok) & ~_positive_control(ok)]["arm"].unique().tolist()
+    controls = [c for c in ok[~_plain(ok) & ~_positive_control(ok)]["arm"].unique().tolist() if c != dense_best]
     if primary_arm:
         pairs += [(primary_arm, c) for c in controls]
     primary, secondary = _split(pairs, primary_arm)
