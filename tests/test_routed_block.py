@@ -230,3 +230,23 @@ def test_bad_routing_inputs_are_clear_errors():
         GPT(CFG, RoutingConfig("nrom", capacity=0.5))
     with pytest.raises(ModbenchError, match="layer pattern"):
         GPT(CFG, RoutingConfig("norm", capacity=0.5, pattern="alternating"))
+
+
+def test_a_variable_count_router_that_weights_the_blocks_output_leaves_unused_slots_rows_unchanged():
+    """x + w·(x + Δ) for a router with unused slots (``valid``) and no handoff base: an unused slot
+    points at a row it does not process (often a processed one, or a skipped one), and must add
+    nothing there — not w·x. token_choice made to weight its block's output, at C where its slots
+    outnumber the tokens it picks."""
+    block = routed_block("token_choice", capacity=0.25)
+    block.weights_output = True  # as a router declaring weights_block_output would (mor's update)
+    x = torch.randn(B, T, CFG.width)
+    with torch.no_grad():
+        layer = run(block, x)
+        torch.manual_seed(1)
+        r = block.router.route(x, block.capacity.k(T), None)
+    assert r.valid is not None and not bool(r.valid.all()), "the sweep needs unused slots"
+    processed = layer.processed
+    assert torch.equal(layer.x[~processed], x[~processed])  # skipped rows bit for bit
+    # a processed row got exactly one x + w·(x + Δ) (unused slots pointing at it added 0)
+    w = torch.zeros(B, T).scatter(1, r.index, torch.where(r.valid, r.weight.squeeze(-1), torch.zeros(())))
+    assert torch.all(w[processed] != 0)

@@ -404,6 +404,8 @@ class RoutedBlock(nn.Module):
             delta = self.routed_delta(xs, cs, sn, mlp_weight, mask=subset_mask(r.valid), **kv) * r.valid.unsqueeze(-1).to(xs.dtype)
         if self.weights_output:  # x + w·(x + Δ): the block's output is weighted (mor, released code)
             delta = delta + xs
+            if r.valid is not None:  # unused slots again add nothing (not w·x) to the rows they point at
+                delta = delta * r.valid.unsqueeze(-1).to(delta.dtype)
         if r.weight is not None and not weight_mlp:
             delta = delta * r.weight.to(delta.dtype)
         # Under autocast the delta leaves the linears in bf16 while the residual stream stays fp32.
