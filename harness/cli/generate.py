@@ -54,20 +54,10 @@ def resolve_checkpoint(run: str, tracking_uri: str) -> Path:
 
 def load_model(path: Path, device, run_id: str | None = None):
     """The GPT stored in a training checkpoint, in eval mode on ``device``."""
+    from modbench.model.restore import model_from_state
     from modbench.track.checkpoint import load_checkpoint
-    from modbench.model.gpt import GPT
-    from modbench.config.run import RunConfig
 
-    state = load_checkpoint(path, run_id=run_id)
-    if not isinstance(state, dict) or "model" not in state or "config" not in state:
-        raise ModbenchError(f"{path} is not a modbench training checkpoint (no 'model' and 'config' entries)")
-    cfg = RunConfig.from_dict(state["config"], where=str(path))
-    model = GPT(cfg.model, cfg.routing)
-    try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[0]
-        raise ModbenchError(f"checkpoint {path} does not fit this version's model ({first})") from None
+    model, cfg = model_from_state(load_checkpoint(path, run_id=run_id), str(path))
     return model.to(device).eval(), cfg
 
 

@@ -44,6 +44,8 @@ from modbench.errors import ModbenchError
 from modbench.model.gpt import GPT
 
 MATCH_TOLERANCE = 0.03  # |FLOPs per token of the matched dense / routed − 1|
+# How a derived control's label begins (``Arm.control``); the two at the study's own budget first.
+FLOP_MATCHED, PARAM_MATCHED, ISO_TOKENS = "FLOP-matched to ", "param-matched to ", "iso-tokens of "
 
 
 def flops_per_token(model: ModelConfig, routing: RoutingConfig, seq_len: int) -> float:
@@ -156,10 +158,10 @@ def control_arms(study: Study) -> list[Arm]:
         if "matched_dense" in wanted:
             depth, width, _ = matched_dense_shape(cfg)
             out.setdefault(canonical_arm("dense", 1.0, "-", "constant", arm.lr_mult, depth, arm.budget, width,
-                                         control=f"FLOP-matched to {what}"), None)
+                                         control=f"{FLOP_MATCHED}{what}"), None)
         if "iso_token_dense" in wanted and Budget.parse(arm.budget).kind == "flops":
             out.setdefault(canonical_arm("dense", 1.0, "-", "constant", arm.lr_mult, arm.depth, iso_token_budget(cfg),
-                                         arm.width, control=f"iso-tokens of {what}"), None)
+                                         arm.width, control=f"{ISO_TOKENS}{what}"), None)
     return list(out)
 
 
@@ -169,7 +171,7 @@ def param_matched_arm(study: Study, arm: Arm) -> Arm:
     model = study.run_config(arm, study.settings.seeds[0]).model
     twin = param_matched_vanilla(model)
     return canonical_arm("dense", 1.0, "-", "constant", arm.lr_mult, twin.layers, arm.budget, twin.width,
-                         control=f"param-matched to L{model.layers} {arm.recursion_text}")
+                         control=f"{PARAM_MATCHED}L{model.layers} {arm.recursion_text}")
 
 
 def study_arms(study: Study) -> list[Arm]:

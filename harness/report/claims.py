@@ -86,7 +86,7 @@ from statsmodels.stats.weightstats import DescrStatsW
 from modbench.config.capacity import CapacitySchedule
 from modbench.config.study import ClaimSettings, Study
 from modbench.report.collect import row_arm
-from modbench.model.sizing import decode_flops_per_token
+from modbench.model.sizing import FLOP_MATCHED, PARAM_MATCHED, decode_flops_per_token
 from modbench.report.effects import compare_effects, verdict_class
 
 HEADLINE = "test/causal_bpb"  # what claims are reported on
@@ -144,7 +144,7 @@ def _plain(done: pd.DataFrame) -> pd.Series:
 # Derived dense controls trained at the study's own budget (``modbench.model.sizing.control_arms``):
 # other dense sizes at the same training FLOPs, so candidates for the isoFLOP-optimal dense model.
 # (The iso-token control and the positive control train on other budgets and never are.)
-SAME_BUDGET_CONTROLS = ("FLOP-matched to ", "param-matched to ")
+SAME_BUDGET_CONTROLS = (FLOP_MATCHED, PARAM_MATCHED)
 
 
 def _dense_size_at_budget(done: pd.DataFrame) -> pd.Series:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,7 +41,7 @@ from modbench.report import figures
 from modbench.report.baselines import WINDOW_ORDER, Baselines, fit_ngrams, sanity_baselines
 from modbench.report.claims import HEADLINE, SELECT, arm_summary, test_claims
 from modbench.report.collect import ReportData, row_arm
-from modbench.report.decode_costs import BATCH, THREADS, measure_checkpoint
+from modbench.report.decode_costs import BATCH, THREADS, measure_arms
 from modbench.report.effects import compare_effects
 from modbench.report.isoflop import MIN_SIZES, best_lr_points, dense_reference, profiles
 
@@ -245,9 +244,14 @@ def _claim_table(claims) -> str:
 
 
 # --- the body ---------------------------------------------------------------------------------------
+def _arm_ci(arms: pd.DataFrame) -> list[str]:
+    """Each arm's test causal bpb interval as the arm tables print it."""
+    return ["n/a (n<2)" if lo is None or lo != lo else f"[{lo:.3f}, {hi:.3f}]"
+            for lo, hi in zip(arms.causal_ci_low, arms.causal_ci_high)]
+
+
 def arm_lines(arms: pd.DataFrame) -> list[str]:
-    show = arms.assign(**{"95% CI": ["n/a (n<2)" if lo is None or lo != lo else f"[{lo:.3f}, {hi:.3f}]"
-                                       for lo, hi in zip(arms.causal_ci_low, arms.causal_ci_high)]})
+    show = arms.assign(**{"95% CI": _arm_ci(arms)})
     show = show[["arm", "causal_bpb", "95% CI", "topk_bpb", "val_causal_bpb", "realised_fraction", "decode_flops_per_token",
                  "flops_per_token", "n_seeds"]].rename(columns={
         "causal_bpb": "test causal bpb", "topk_bpb": "test top-k bpb",
@@ -316,25 +320,6 @@ def topk_beside_causal_lines(done: pd.DataFrame, effects: pd.DataFrame) -> list[
             "learned router's advantage.", "", pd.DataFrame(rows).to_markdown(index=False), ""]
 
 
-def measured_decode_costs(data: ReportData, compared: pd.DataFrame) -> pd.DataFrame:
-    """One row per compared arm: ``measure_checkpoint`` on its first compared seed's checkpoint,
-    fetched from the trial's MLflow run. Arms whose trial has no checkpoint are left out."""
-    from modbench.track.records import fetch_checkpoint, read_record
-
-    rows = []
-    if not data.uri or compared.empty or "mlflow_run_id" not in compared:
-        return pd.DataFrame(rows)
-    for arm, g in compared.sort_values("seed").groupby("arm", sort=False):
-        run_id = g.iloc[0]["mlflow_run_id"]
-        record = read_record(data.uri, run_id) if isinstance(run_id, str) else None
-        if record is None or not record.checkpoint:
-            continue
-        with tempfile.TemporaryDirectory() as tmp:
-            costs = measure_checkpoint(fetch_checkpoint(data.uri, record, Path(tmp)))
-        rows.append({"arm": arm, "seed": int(g.iloc[0]["seed"]), **costs})
-    return pd.DataFrame(rows)
-
-
 def arm_cost_lines(arms: pd.DataFrame, costs: pd.DataFrame, flagged: dict[str, str]) -> list[str]:
     """The opening's per-arm answer: score and what the arm costs to train and to run (a degenerate
     arm, ``flagged``, is marked: the claims leave it out)."""
@@ -343,7 +328,7 @@ def arm_cost_lines(arms: pd.DataFrame, costs: pd.DataFrame, flagged: dict[str, s
     t = arms.merge(costs, on="arm")
     show = pd.DataFrame({
         "arm": [f"{a} (degenerate: in no claim)" if a in flagged else a for a in t["arm"]], "test causal bpb": t["causal_bpb"],
-        "95% CI": ["n/a (n<2)" if lo is None or lo != lo else f"[{lo:.3f}, {hi:.3f}]" for lo, hi in zip(t.causal_ci_low, t.causal_ci_high)],
+        "95% CI": _arm_ci(t),
         "non-embedding params": t["params"].astype(int), "train FLOPs/token": t["flops_per_token"],
         "decode FLOPs/token": t["decode_flops_per_token"], "KV bytes/token": t["kv_bytes_per_token"].round(1),
         "decode share": t["decode_share"], f"KV-cached tokens/s ({THREADS} CPU thread)": t["decode_tokens_per_s"].round(0)})
@@ -611,7 +596,7 @@ def claims_sections(data: ReportData, dest: Path, tuning: TuningTable | None = N
     compute = compute_summary(data.trials)
     lines = regime_lines(arms, base) + protocol_lines(data.study, done)
     lines += [f"- {claim_sentence(c, effects)}" for c in claims] + ([""] if claims else [])
-    costs = measured_decode_costs(data, compared)
+    costs = measure_arms(data.uri, compared)
     lines += arm_cost_lines(arms, costs, flagged)
     control = claims_module.positive_control_line(claims)
     lines += ([control, ""] if control else []) + degenerate + [compute_line(compute), ""]

@@ -18,14 +18,15 @@ first halves as prompts and greedily generates the second halves with the KV cac
 from __future__ import annotations
 
 import statistics
+import tempfile
 from pathlib import Path
 
+import pandas as pd
 import torch
 
-from modbench.config.run import RunConfig
 from modbench.data import eval_windows, load_corpus
 from modbench.model.decode import generate
-from modbench.model.gpt import GPT
+from modbench.model.restore import model_from_state
 from modbench.model.sizing import non_embedding_params
 from modbench.track.checkpoint import load_checkpoint
 
@@ -39,11 +40,7 @@ COLUMNS = ("params", "kv_bytes_per_token", "decode_tokens_per_s", "decode_share"
 @torch.no_grad()
 def measure_checkpoint(checkpoint: Path, *, batch: int = BATCH, rounds: int = ROUNDS) -> dict[str, float]:
     """The decode costs of one trained checkpoint (see the module docstring)."""
-    state = load_checkpoint(checkpoint)
-    cfg = RunConfig.from_dict(state["config"], where=str(checkpoint))
-    model = GPT(cfg.model, cfg.routing)
-    model.load_state_dict(state["model"])
-    model.eval()
+    model, cfg = model_from_state(load_checkpoint(checkpoint), str(checkpoint))
     corpus = load_corpus(cfg.train.dataset, seed=cfg.train.seed)
     x, _ = eval_windows(corpus.split("test"), cfg.train.seq_len, batch)
     prompt_len = cfg.train.seq_len // 2
@@ -59,3 +56,23 @@ def measure_checkpoint(checkpoint: Path, *, batch: int = BATCH, rounds: int = RO
             "kv_bytes_per_token": float(last.kv_bytes_per_token),
             "decode_tokens_per_s": float(statistics.median(g.decode_tokens_per_s for g in runs[1:])),
             "decode_share": 1.0 - float(last.skipped_fraction)}
+
+
+def measure_arms(uri: str | None, compared: pd.DataFrame) -> pd.DataFrame:
+    """One row per compared arm: ``measure_checkpoint`` on its first compared seed's checkpoint,
+    fetched from the trial's MLflow run in ``uri`` (``compared``: the trials a report compares, with
+    ``arm``, ``seed`` and ``mlflow_run_id``). Arms whose trial has no checkpoint are left out."""
+    from modbench.track.records import fetch_checkpoint, read_record
+
+    rows = []
+    if not uri or compared.empty or "mlflow_run_id" not in compared:
+        return pd.DataFrame(rows)
+    for arm, g in compared.sort_values("seed").groupby("arm", sort=False):
+        run_id = g.iloc[0]["mlflow_run_id"]
+        record = read_record(uri, run_id) if isinstance(run_id, str) else None
+        if record is None or not record.checkpoint:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            costs = measure_checkpoint(fetch_checkpoint(uri, record, Path(tmp)))
+        rows.append({"arm": arm, "seed": int(g.iloc[0]["seed"]), **costs})
+    return pd.DataFrame(rows)

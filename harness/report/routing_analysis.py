@@ -15,8 +15,8 @@ import pandas as pd
 import torch
 
 from modbench.data import eval_windows, load_corpus
-from modbench.model.gpt import GPT
 from modbench.config.run import RunConfig
+from modbench.model.restore import model_from_state
 from modbench.track.checkpoint import load_checkpoint
 
 BYTE_CLASSES = {
@@ -31,11 +31,7 @@ N_BUCKETS = 8
 @torch.no_grad()
 def selection_masks(checkpoint: Path, n_windows: int = 16) -> tuple[np.ndarray, list[np.ndarray], RunConfig]:
     """Input bytes (n, T) and one boolean (n, T) mask per routed layer."""
-    state = load_checkpoint(checkpoint)
-    cfg = RunConfig.from_dict(state["config"], where=str(checkpoint))
-    model = GPT(cfg.model, cfg.routing)
-    model.load_state_dict(state["model"])
-    model.eval()
+    model, cfg = model_from_state(load_checkpoint(checkpoint), str(checkpoint))
     corpus = load_corpus(cfg.train.dataset, seed=cfg.train.seed)
     x, _ = eval_windows(corpus.val, cfg.train.seq_len, n_windows)
     model.set_collect_stats(True)
