@@ -85,10 +85,79 @@ gpu-bench gpu-bench-setup gpu-bench-report gpu-smoke $(GPU_PARTS:%=gpu-bench-%):
 
 gpu-bench-setup:
 	$(GPU_PYTHON) -c "import sys, torch; sys.exit(None if torch.cuda.is_available() else 'gpu-bench: no CUDA device')"
+	$(MAKE) --no-print-directory gpu-pkg GPU_PYTHON=$(GPU_PYTHON)
+	mkdir -p reports/bench
+
+# The package laid out as `modbench` (no install on the GPU machine), with the kit's commit when there is one.
+.PHONY: gpu-pkg
+gpu-pkg:
 	rm -rf $(GPU_PKG) && mkdir -p $(GPU_PKG)
 	cp -R harness $(GPU_PKG)/modbench && cp -R variants $(GPU_PKG)/modbench/variants && cp -R studies $(GPU_PKG)/modbench/studies
+	if [ -f $(GPU_KIT)/BUILD_COMMIT ]; then cp $(GPU_KIT)/BUILD_COMMIT $(GPU_PKG)/modbench/BUILD_COMMIT; fi
 	$(GPU_RUN) -c "import modbench.model.gpt, modbench.bench.table, modbench.run.train"
-	mkdir -p reports/bench
+
+# --- A study on one lent GPU, in one slot (modbench.study.slot; README "Studies on a lent GPU") ------
+# Here, on a CPU machine with network (commit first: the kit records the commit):
+#   make gpu-kit                    # build/gpu-kit: the wheels the GPU machine lacks, the stdlib corpus, the commit
+# There, on the lent machine (carry build/gpu-kit; the archive comes back through $OUT):
+#   make gpu-study STUDY=paper_claims_gpu WORKERS=4 MINUTES=8
+#   make gpu-probe STUDY=paper_claims_gpu   # first, once per kind of GPU: trials/minute for N = 1, 2, 4, 8 workers
+# Here again: modbench study import <archive>; modbench report paper_claims_gpu.
+# A study cut off by its deadline resumes: on the same machine from its folder, on the next one from
+# the archive copied to $(GPU_KIT)/archives/<study>.tar.gz (carried with the kit).
+#   make gpu-study-dry              # the same command on this CPU, a tiny study, no wheels: CI runs it
+GPU_KIT      ?= build/gpu-kit
+GPU_SITE     := build/gpu-site
+STUDY        ?= paper_claims_gpu
+STUDY_NAME    = $(basename $(notdir $(STUDY)))
+WORKERS      ?= 4
+MINUTES      ?= 8
+SLOT_OUT     ?= $(or $(OUT),build/slot)
+RESUME       ?= $(wildcard $(GPU_KIT)/archives/$(STUDY_NAME).tar.gz)
+SLOT_RUN      = MODBENCH_STDLIB_FILE=$(abspath $(firstword $(wildcard $(GPU_KIT)/data/stdlib-*.bin))) \
+                PYTHONPATH=$(CURDIR)/$(GPU_PKG):$(CURDIR)/$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON)
+PROBE_ARMS   ?= dense
+PROBE_BUDGET ?= flops=5e14
+PROBE_WORKERS ?= 1,2,4,8
+PROBE_DEVICE ?= cuda
+.PHONY: gpu-kit gpu-study gpu-study-dry gpu-site gpu-probe
+
+gpu-kit: $(STAMP)
+	$(BIN)/python tools/gpu_kit.py $(GPU_KIT) $(GPU_KIT_FLAGS)
+
+# The kit's wheels installed beside the package, without network (nothing to install: the packages are here).
+gpu-site:
+	rm -rf $(GPU_SITE) && mkdir -p $(GPU_SITE)
+	if ls $(GPU_KIT)/wheels/*.whl >/dev/null 2>&1; then \
+	  $(GPU_PYTHON) -m pip install --quiet --no-index --no-deps --target $(GPU_SITE) $(GPU_KIT)/wheels/*.whl; fi
+
+gpu-study: gpu-site gpu-pkg
+	$(SLOT_RUN) -m modbench.cli.main study slot $(STUDY) --workers $(WORKERS) --minutes $(MINUTES) \
+	  --archive $(SLOT_OUT)/$(STUDY_NAME).tar.gz --out-dir build/slot-work $(if $(RESUME),--resume $(RESUME))
+
+# How many workers: every N trains the same arm (PROBE_ARMS) at a small budget, compile off (on: COMPILE=off,on).
+gpu-probe: gpu-site gpu-pkg
+	mkdir -p $(SLOT_OUT)
+	$(SLOT_RUN) -m modbench.study.workers_probe $(STUDY) --workers $(PROBE_WORKERS) --compile $(or $(COMPILE),off) \
+	  --device $(PROBE_DEVICE) \
+	  --arms "$(PROBE_ARMS)" --budget $(PROBE_BUDGET) --trials-per-worker 1 --timeout-s 120 \
+	  --json $(SLOT_OUT)/$(STUDY_NAME)-probe.json --markdown $(SLOT_OUT)/$(STUDY_NAME)-probe.md
+
+# CI's dry run of the kit: the very same targets on this CPU with the venv's Python, a tiny study,
+# the kit without wheels; then the archive is imported and reported as a GPU study's would be.
+DRY_DIR := build/gpu-dry
+gpu-study-dry: $(STAMP)
+	rm -rf $(DRY_DIR) build/slot-work/slot/slot_dry
+	$(MAKE) --no-print-directory gpu-kit GPU_KIT=$(DRY_DIR)/kit GPU_KIT_FLAGS=--no-wheels
+	$(MAKE) --no-print-directory gpu-probe GPU_KIT=$(DRY_DIR)/kit GPU_PYTHON=$(abspath $(BIN)/python) \
+	  STUDY=tests/studies/slot_dry.toml SLOT_OUT=$(DRY_DIR)/out PROBE_WORKERS=1,2 PROBE_DEVICE=cpu PROBE_BUDGET=steps=3
+	$(MAKE) --no-print-directory gpu-study GPU_KIT=$(DRY_DIR)/kit GPU_PYTHON=$(abspath $(BIN)/python) \
+	  STUDY=tests/studies/slot_dry.toml WORKERS=2 MINUTES=4 SLOT_OUT=$(DRY_DIR)/out RESUME=
+	$(BIN)/modbench study import $(DRY_DIR)/out/slot_dry.tar.gz --out-dir $(DRY_DIR)/studies \
+	  --tracking-uri sqlite:///$(abspath $(DRY_DIR))/mlflow.db
+	$(BIN)/modbench report tests/studies/slot_dry.toml --out-dir $(DRY_DIR)/studies --reports-dir $(DRY_DIR)/reports \
+	  --tracking-uri sqlite:///$(abspath $(DRY_DIR))/mlflow.db
+	test -s $(DRY_DIR)/reports/slot_dry/report.md && echo "gpu-study-dry: report at $(DRY_DIR)/reports/slot_dry/report.md"
 
 $(GPU_PARTS:%=gpu-bench-%): gpu-bench-%: gpu-bench-setup
 	$(GPU_RUN) -m pytest -p no:cacheprovider -q tests/bench/test_$(if $(filter $*,mfu),mfu,$*_speed).py \

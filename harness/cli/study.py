@@ -1,4 +1,5 @@
-"""``modbench study run FILE`` and ``modbench study status NAME|FILE``."""
+"""``modbench study run FILE``, ``study status NAME|FILE``, and a study on a lent GPU:
+``study slot FILE`` there, ``study import ARCHIVE`` here (``modbench.study.slot``)."""
 
 from __future__ import annotations
 
@@ -33,9 +34,16 @@ def run(args) -> int:
     from modbench.study.runner import run_study
     from modbench.track.optuna_store import trials_frame
 
+    import time
+
     uri, storage = tracking_uri_of(args), storage_of(args)
+    if args.minutes is not None and not args.minutes > 0:
+        raise ModbenchError(f"--minutes must be positive, got {args.minutes:g}")
+    deadline = time.time() + args.minutes * 60 if args.minutes else None
+    offline = Path(args.offline_runs) if args.offline_runs else None
     outcome = run_study(args.study_file, storage=storage, out_dir=args.out_dir, n_trials=args.n_trials,
-                        progress=not args.quiet, heartbeat=args.heartbeat, grace=args.grace, tracking_uri=uri)
+                        progress=not args.quiet, heartbeat=args.heartbeat, grace=args.grace, tracking_uri=uri,
+                        offline_runs=offline, deadline=deadline)
     objectives = load_study(args.study_file).settings.objectives
     arms = arm_summary(trials_frame(outcome.name, outcome.storage), objectives)
     report = study_command(["report", args.study_file], tracking_uri=uri, storage=storage, out_dir=args.out_dir)
@@ -58,6 +66,44 @@ def run(args) -> int:
     if outcome.counts.get("FAIL", 0) and not outcome.counts.get("COMPLETE", 0):
         raise StudyFailed(f"every trial of study {outcome.name} failed ({outcome.counts['FAIL']}); "
                           "the reasons are in the lines above and in 'modbench study status'")
+    return 0
+
+
+def slot(args) -> int:
+    """``modbench study slot FILE``: the study on this (lent GPU) machine until done or the deadline."""
+    from modbench.study.slot import SlotSettings, run_slot
+
+    settings = SlotSettings(workers=args.workers, minutes=args.minutes, checkpoint_mib=args.checkpoint_mib)
+    archive = Path(args.archive) if args.archive else Path(args.out_dir) / "slot" / f"{Path(args.study_file).stem}.tar.gz"
+    log = (lambda *a, **k: None) if args.quiet else (lambda line: print(line, flush=True))
+    outcome = run_slot(args.study_file, settings=settings, archive=archive, out_dir=Path(args.out_dir) / "slot",
+                       resume=Path(args.resume) if args.resume else None, log=log)
+    if args.quiet:
+        print(json.dumps({"study": outcome.study, "archive": str(outcome.archive), "trials": outcome.counts,
+                          "seconds": round(outcome.wall_s, 1)}))
+    return 0
+
+
+def import_(args) -> int:
+    """``modbench study import ARCHIVE``: a slot's runs into MLflow, its study into local storage."""
+    from modbench.study.slot import import_archive
+
+    uri = tracking_uri_of(args)
+    outcome = import_archive(Path(args.archive), tracking_uri=uri, out_dir=Path(args.out_dir),
+                             progress=not args.quiet)
+    summary = {"study": outcome.study, "storage": redact(outcome.storage), "runs": outcome.runs,
+               "trials": outcome.trials, "checkpoints_left_out": outcome.checkpoints_left_out,
+               "calls": outcome.manifest["calls"]}
+    if args.quiet:
+        print(json.dumps(summary))
+        return 0
+    calls = outcome.manifest["calls"]
+    print(f"imported study {outcome.study}: {outcome.trials} trials, {outcome.runs} MLflow runs, from "
+          f"{len(calls)} slot call(s) on {', '.join(sorted({c.get('device', '?') for c in calls}))}")
+    if outcome.checkpoints_left_out:
+        print(f"{outcome.checkpoints_left_out} checkpoint(s) stayed on the slot (archive budget): the report's "
+              "routing and decode-cost sections leave those arms out")
+    print("report: " + study_command(["report", outcome.study], tracking_uri=uri, storage=None, out_dir=args.out_dir))
     return 0
 
 
@@ -201,12 +247,34 @@ def add_parser(sub) -> None:
     add_storage_flag(r)
     r.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where SQLite storage and trial checkpoints go")
     r.add_argument("--n-trials", type=int, help="run at most this many trials now")
+    r.add_argument("--minutes", type=float, help="finish within this many minutes: start no trial that the longest "
+                   "finished trial says would end later")
+    r.add_argument("--offline-runs", metavar="DIR", help="write runs as files under DIR instead of MLflow (a machine "
+                   "without MLflow); 'modbench study import' brings them into MLflow")
     r.add_argument("--heartbeat", type=int, default=10, help="seconds between trial heartbeats")
     r.add_argument("--grace", type=int, default=30, help="seconds without heartbeat before a trial counts as dead and is retried")
     add_tracking_flag(r)
     r.add_argument("--quiet", action="store_true", help="no progress bars; print one JSON line")
     r.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     r.set_defaults(func=run)
+    sl = ssub.add_parser("slot", help="run a study on one lent GPU within a deadline: N workers, one archive "
+                         "that resumes it and that 'study import' reads")
+    sl.add_argument("study_file", help="a study file, or the name of a shipped study")
+    sl.add_argument("--workers", type=int, default=4, help="worker processes on the one GPU (default 4)")
+    sl.add_argument("--minutes", type=float, default=8.0, help="wall-clock bound of the whole call (default 8)")
+    sl.add_argument("--archive", help="where the archive goes (default <out-dir>/slot/<study>.tar.gz)")
+    sl.add_argument("--resume", help="an archive of an earlier slot call of this study, to go on from")
+    sl.add_argument("--checkpoint-mib", type=float, default=12.0,
+                    help="checkpoint weights the archive may hold (default 12; a slot returns files of <= 16 MiB)")
+    sl.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="working folder (the study goes to <out-dir>/slot/<study>)")
+    sl.add_argument("--quiet", action="store_true", help="print one JSON line")
+    sl.set_defaults(func=slot)
+    im = ssub.add_parser("import", help="import a slot archive: runs into MLflow, the study into local storage")
+    im.add_argument("archive", help="the .tar.gz 'modbench study slot' wrote")
+    im.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where the study's SQLite storage goes (default: runs/studies)")
+    add_tracking_flag(im)
+    im.add_argument("--quiet", action="store_true", help="print one JSON line")
+    im.set_defaults(func=import_)
     ls = ssub.add_parser("list", help="the studies shipped with modbench")
     ls.add_argument("--json", action="store_true", help="print a JSON list")
     ls.set_defaults(func=list_studies)

@@ -81,7 +81,6 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pandas as pd
 from scipy import stats
-from statsmodels.stats.weightstats import DescrStatsW
 
 from modbench.config.capacity import CapacitySchedule
 from modbench.config.study import ClaimSettings, Study
@@ -379,6 +378,9 @@ def _one_sample_tost(x: np.ndarray, margin: float | None) -> float | None:
     x = x[np.isfinite(x)]
     if margin is None or x.size < 2 or not x.std() > 0:
         return None
+    from statsmodels.stats.weightstats import DescrStatsW  # here: the study runner imports this module's names on a
+    # lent GPU machine, which has no statsmodels (modbench.study.slot)
+
     return _clean(DescrStatsW(x).ttost_mean(-margin, margin)[0])
 
 

@@ -59,7 +59,6 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 import pandas as pd
 from scipy import integrate, optimize, stats
-from statsmodels.stats.weightstats import ttost_ind, ttost_paired
 
 from modbench.errors import ModbenchError, accepted
 from modbench.report.stats import holm
@@ -263,7 +262,7 @@ def _paired(x: pd.Series, y: pd.Series, ci: float, alpha: float, margin: float |
     sd = float(np.std(d, ddof=1))
     return dict(estimate=float(d.mean()), ci_low=float(low), ci_high=float(high), p=float(res.pvalue),
                 method="paired by seed (t)", sd=sd, paired=True, n=len(seeds)) \
-        | _equivalence(res, lambda: ttost_paired(a, b, -margin, margin), alpha, margin)
+        | _equivalence(res, lambda: _ttost()[0](a, b, -margin, margin), alpha, margin)
 
 
 def _bootstrap(x: np.ndarray, y: np.ndarray, ci: float, n_resamples: int, seed: int, alpha: float,
@@ -278,7 +277,15 @@ def _bootstrap(x: np.ndarray, y: np.ndarray, ci: float, n_resamples: int, seed: 
     return dict(estimate=float(x.mean() - y.mean()), ci_low=float(boot.confidence_interval.low),
                 ci_high=float(boot.confidence_interval.high), p=float(welch.pvalue),
                 method="bootstrap over seeds (BCa)", sd=pooled, paired=False, n=None) \
-        | _equivalence(welch, lambda: ttost_ind(x, y, -margin, margin, usevar="unequal"), alpha, margin)
+        | _equivalence(welch, lambda: _ttost()[1](x, y, -margin, margin, usevar="unequal"), alpha, margin)
+
+
+def _ttost():
+    """statsmodels' (ttost_paired, ttost_ind), imported when a test needs them: the study runner
+    imports this module's sample-size rules on a lent GPU machine, which has no statsmodels."""
+    from statsmodels.stats.weightstats import ttost_ind, ttost_paired
+
+    return ttost_paired, ttost_ind
 
 
 def _one(df, arm, ref, metric, by, seed_col, paired, ci, n_resamples, seed, alpha, margin) -> dict:

@@ -17,7 +17,11 @@
   many this invocation runs (and lets a model-based study sample more arms than its file says).
 - MLflow: one experiment per study, a parent run for the study and a child run per trial, with
   the trial's number, params, state and objective values. Pruned trials end KILLED, failed ones
-  FAILED.
+  FAILED. On a machine without MLflow (a lent GPU), ``offline_runs`` writes the same runs as
+  files (``modbench.track.offline``), imported into MLflow later (``modbench.study.slot``).
+- A deadline (``deadline``, seconds since the epoch) stops a worker from starting a trial that
+  would not finish before it: the estimate is the longest trial the study has finished so far
+  (every worker's), so a slot's last minutes are not spent on a trial that would be cut off.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from modbench.study.points import (
 from modbench.study import tuning
 from modbench.track.checkpoint import check_writable
 from modbench.track.optuna_store import PARENT_ATTR, connect_storage, default_storage, study_dir, with_fail_reason
-from modbench.track.tracking import Tracker, fail_stale_runs
+from modbench.track.tracking import RunTracker, Tracker, fail_stale_runs
 from modbench.run.train import train
 
 FINISHED = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
@@ -136,7 +140,46 @@ class StudyOutcome:
     stages: dict[str, Any] | None = None  # a study with [tune]: ``stage_status``
 
 
-def open_storage(url: str, experiment: str, *, tracking_uri: str, heartbeat: int, grace: int,
+@dataclass(frozen=True)
+class RunDestination:
+    """Where a study's runs go: the MLflow store at ``tracking_uri``, or run folders under
+    ``offline`` (``modbench.track.offline``: a machine without MLflow; imported afterwards)."""
+
+    tracking_uri: str
+    offline: Path | None = None
+
+    def tracker(self, experiment: str, **kwargs: Any) -> RunTracker:
+        if self.offline is not None:
+            from modbench.track.offline import OfflineTracker
+
+            return OfflineTracker(experiment, root=self.offline, **kwargs)
+        return Tracker(experiment, uri=self.tracking_uri, **kwargs)
+
+    def fail(self, experiment: str, run_ids: list[str]) -> None:
+        """End the runs of workers that died (RUNNING → FAILED)."""
+        if self.offline is not None:
+            from modbench.track.offline import fail_offline_runs
+
+            fail_offline_runs(self.offline, run_ids)
+        else:
+            fail_stale_runs(experiment, uri=self.tracking_uri, run_ids=run_ids)
+
+    def finish_parent(self, experiment: str, run_id: str, metrics: dict[str, float]) -> None:
+        """Log the study's summary metrics on its parent run and end it FINISHED."""
+        if self.offline is not None:
+            parent = self.tracker(experiment, run_id=run_id).start()
+            parent.log_metrics(metrics, step=0)
+            parent.end("FINISHED")
+            return
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(self.tracking_uri)
+        for name, value in metrics.items():
+            client.log_metric(run_id, name, value)
+        client.set_terminated(run_id, "FINISHED")
+
+
+def open_storage(url: str, experiment: str, *, runs: RunDestination, heartbeat: int, grace: int,
                  max_retry: int = 2) -> optuna.storages.RDBStorage:
     with warnings.catch_warnings():  # heartbeats are marked experimental in Optuna 5
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -146,7 +189,7 @@ def open_storage(url: str, experiment: str, *, tracking_uri: str, heartbeat: int
             # The worker died: its MLflow child run must not stay RUNNING forever.
             run_id = trial.user_attrs.get("mlflow_run_id")
             if run_id:
-                fail_stale_runs(experiment, uri=tracking_uri, run_ids=[run_id])
+                runs.fail(experiment, [run_id])
             retry(study, trial)
 
         return connect_storage(url, heartbeat_interval=heartbeat, grace_period=grace,
@@ -185,15 +228,16 @@ def intermediate_metric(objective: str) -> str:
 
 class Runner:
     def __init__(self, study: Study, storage_url: str, out_dir: Path, *, tracking_uri: str, heartbeat: int,
-                 grace: int) -> None:
+                 grace: int, offline_runs: Path | None = None, deadline: float | None = None) -> None:
         self.study = study
         self.out_dir = out_dir
         self.storage_url = storage_url
-        self.tracking_uri = tracking_uri
+        self.runs = runs = RunDestination(tracking_uri, offline_runs)
+        self.deadline = deadline  # seconds since the epoch: no trial starts that would end after it
         self.interrupted: str | None = None  # which trial a Ctrl-C / SIGTERM re-queued
         if study.tune.lr_mult:
             check_stage_storage(storage_url)
-        self.storage = open_storage(storage_url, study.name, tracking_uri=tracking_uri, heartbeat=heartbeat, grace=grace)
+        self.storage = open_storage(storage_url, study.name, runs=runs, heartbeat=heartbeat, grace=grace)
         self.optuna = self._create_or_load()
 
     # --- study creation: exactly one worker creates, queues the grid and the parent run ----
@@ -248,8 +292,8 @@ class Runner:
         with warnings.catch_warnings():  # experimental in Optuna 5
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             study.set_metric_names(list(s.settings.objectives))  # the dashboard shows val/bpb, not "Objective 0"
-        parent = Tracker(s.name, run_name=f"study {s.name}", tags={"modbench.study": s.name, "modbench.role": "study"},
-                         uri=self.tracking_uri, experiment_description=s.settings.description).start()
+        parent = self.runs.tracker(s.name, run_name=f"study {s.name}", tags={"modbench.study": s.name, "modbench.role": "study"},
+                                   experiment_description=s.settings.description).start()
         parent.log_params({"study.file": str(s.path), "study.sampler": s.settings.sampler, "study.pruner": s.settings.pruner,
                            "study.seeds": s.settings.seeds, "study.objectives": s.settings.objectives,
                            "study.file_sha256": s.file_sha256, **{f"base.{k}": v for k, v in s.base.to_dict().items()}})
@@ -295,8 +339,8 @@ class Runner:
         tags = {"modbench.study": s.name, "modbench.role": TRIAL_ROLE, "optuna.trial_number": str(trial.number),
                 "modbench.arm": s.label(arm), "modbench.seed": str(seed), "optuna.state": "RUNNING"}
         # The run's name starts with the arm (the UI's table cuts long names); the trial number is a tag.
-        tracker = Tracker(s.name, run_name=f"{s.label(arm)} s{seed}", parent_run_id=self.parent_run_id, tags=tags,
-                          uri=self.tracking_uri)
+        tracker = self.runs.tracker(s.name, run_name=f"{s.label(arm)} s{seed}", parent_run_id=self.parent_run_id,
+                                    tags=tags)
         multi = len(s.directions) > 1
         curve = intermediate_metric(s.settings.objectives[0])
 
@@ -353,7 +397,7 @@ class Runner:
                 continue  # another worker got there first
             run_id = t.user_attrs.get("mlflow_run_id")
             if run_id:
-                fail_stale_runs(self.study.name, uri=self.tracking_uri, run_ids=[run_id])
+                self.runs.fail(self.study.name, [run_id])
             self.optuna.enqueue_trial(t.params, user_attrs=point_attrs(t.user_attrs))
             print(f"modbench: trial {t.number} ({t.user_attrs.get('arm')}, seed {t.user_attrs.get('seed')}) lost its "
                   f"worker (pid {pid} on this host is gone): queued again", file=sys.stderr)
@@ -450,6 +494,8 @@ class Runner:
                 interrupts.check()  # a stop asked for after the last trial's final check
                 if timeout_s and time.monotonic() - start > timeout_s:
                     break
+                if self._past_deadline():
+                    break
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                     optuna.storages.fail_stale_trials(self.optuna)
@@ -486,16 +532,16 @@ class Runner:
             return
         if self.study.tune.lr_mult and not self.stages_complete():
             return  # a later stage is still to be queued
-        from mlflow.tracking import MlflowClient
+        metrics = {f"trials/{state.lower()}": float(n) for state, n in counts.items()}
+        for t in best_trials(self.optuna)[:1]:
+            metrics.update({f"best/{name}": value for name, value in zip(self.study.settings.objectives, t.values)})
+        self.runs.finish_parent(self.study.name, self.parent_run_id, metrics)
 
-        client = MlflowClient(self.tracking_uri)
-        best = best_trials(self.optuna)
-        for i, t in enumerate(best[:1]):
-            for name, value in zip(self.study.settings.objectives, t.values):
-                client.log_metric(self.parent_run_id, f"best/{name}", value)
-        for state, n in counts.items():
-            client.log_metric(self.parent_run_id, f"trials/{state.lower()}", n)
-        client.set_terminated(self.parent_run_id, "FINISHED")
+    def _past_deadline(self) -> bool:
+        """Whether a trial started now would end after the deadline (module docstring)."""
+        if self.deadline is None:
+            return False
+        return time.time() + longest_trial_s(self.optuna) > self.deadline
 
 
 def _finite_or_none(x: Any) -> float | None:
@@ -504,6 +550,14 @@ def _finite_or_none(x: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return x if math.isfinite(x) else None
+
+
+def longest_trial_s(study: optuna.Study) -> float:
+    """The longest wall time of the study's finished trials (0 before any has finished)."""
+    spans = [(t.datetime_complete - t.datetime_start).total_seconds()
+             for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+             if t.datetime_start and t.datetime_complete]
+    return max(spans, default=0.0)
 
 
 def best_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
@@ -546,7 +600,9 @@ class _Progress:
 
 def run_study(path: str | Path, *, storage: str | None = None, out_dir: str | Path = "runs/studies",
               n_trials: int | None = None, progress: bool = True, heartbeat: int = 10, grace: int = 30,
-              tracking_uri: str) -> StudyOutcome:
+              tracking_uri: str, offline_runs: Path | None = None, deadline: float | None = None) -> StudyOutcome:
+    """Run (or resume) a study in this process (module docstring); ``offline_runs``: log runs to
+    files there instead of MLflow; ``deadline``: start no trial that would end after it (epoch s)."""
     study = load_study(path)
     if n_trials is not None and n_trials < 1:
         raise ModbenchError(f"--n-trials must be >= 1, got {n_trials}")
@@ -554,7 +610,8 @@ def run_study(path: str | Path, *, storage: str | None = None, out_dir: str | Pa
     url = storage or default_storage(study, out_dir)
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials get our one line, not a traceback
     t0 = time.monotonic()
-    runner = Runner(study, url, Path(out_dir), tracking_uri=tracking_uri, heartbeat=heartbeat, grace=grace)
+    runner = Runner(study, url, Path(out_dir), tracking_uri=tracking_uri, heartbeat=heartbeat, grace=grace,
+                    offline_runs=offline_runs, deadline=deadline)
     timeout = study.settings.timeout_s or None
     try:
         with interrupts.deferred():
