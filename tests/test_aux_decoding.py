@@ -148,7 +148,7 @@ def test_the_predictors_flops_are_counted_and_match_the_flop_counter(base):
 
 
 def test_a_study_space_accepts_an_alias_beside_its_base(tmp_path):
-    from modbench.config.study import load_study
+    from modbench.design.study_file import load_study
 
     study = tmp_path / "aux.toml"
     study.write_text("""

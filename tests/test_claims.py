@@ -12,17 +12,10 @@ import pytest
 from modbench.cli.main import main
 from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.config.run import RunConfig, TrainConfig
-from modbench.config.study import ClaimSettings, load_study
+from modbench.design.study_file import ClaimSettings, load_study
 from modbench.errors import ModbenchError
-from modbench.model.sizing import (
-    MATCH_TOLERANCE,
-    control_arms,
-    decode_flops_per_token,
-    flops_per_token,
-    iso_token_budget,
-    matched_dense_shape,
-    study_arms,
-)
+from modbench.model.sizing import (MATCH_TOLERANCE, decode_flops_per_token, flops_per_token, iso_token_budget, matched_dense_shape)
+from modbench.design.controls import control_arms, study_arms
 from modbench.report import claims
 from modbench.report.stats import holm
 from scipy import stats
@@ -326,7 +319,14 @@ def test_claims_report_end_to_end(tmp_cwd):
                           "verdict_class", "primary", "tost_p"}
     c1, c2 = summary["claims"][:2]
     assert c1["statement"].startswith("MoD (norm C=0.25 alternate,") and c1["margin"] == 0.05 and c1["primary"]
-    assert c1["verdict_class"] in ("better", "worse", "equivalent", "inconclusive")
+    assert c1["verdict_class"] in ("better", "worse", "equivalent", "inconclusive", "regime not reached")
+    if c1["verdict_class"] == "regime not reached":  # at 2e9 FLOPs: the gate names who does not beat the 4-gram
+        assert "do" in c1["verdict"] and "not beat the count 4-gram" in c1["verdict"]
+    # Pre-registered when the study was created (no [tune]: every trial confirms), with the commit.
+    registration = summary["preregistration"]
+    assert registration["claims"]["mod_vs_best_dense"]["margin"] == 0.05 and registration["amendments"] == []
+    assert all(c["fixed_at_commit"] == registration["commit"] for c in summary["claims"])
+    assert "pre-registered at commit" in text.split("## Claims")[0]
     flagged = summary["degenerate_arms"]
     assert set(flagged) == {"sigmoid C=0.25 alternate", "sigmoid C=0.25 alternate lr×2"}
     assert all("collapsed" in why for why in flagged.values()) and all(arm in text for arm in flagged)
@@ -361,3 +361,107 @@ def test_the_regime_line_names_every_arm_below_the_trigram_and_says_whose_conclu
     arms.loc[0, "causal_bpb"] = 2.9  # now a routed arm is below the trigram too
     assert "routing conclusions are unreliable" in regime_lines(arms, base)[0]
     assert regime_lines(arms.iloc[[1]], base)[0].startswith("Every arm beats")
+
+
+def test_a_claim_whose_compared_arms_do_not_beat_the_4gram_gets_no_verdict():
+    """The regime gate (issue "Best against best", item 4): where a claim's compared arms do not beat
+    the count 4-gram on the arms' own test windows, the claim says "regime not reached" and names them
+    instead of a verdict; its numbers stay; a claim whose arms beat it keeps its verdict."""
+    from modbench.report.baselines import Baselines
+    from modbench.report.claims import Claim, positive_control_line
+    from modbench.report.claims_report import REGIME_NOT_REACHED, claim_sentence, regime_gate
+
+    base = {"test": Baselines("test", 1000, 5.0, 3.5, 2.8, 2.5, 2.4, 2.3, 2.3, 2.5, 2.2, 990)}  # bar: 2.2
+    arms = pd.DataFrame({"arm": ["sigmoid", "dense", "random_gated", "dense small"], "causal_bpb": [1.9, 2.1, 2.4, 2.0]})
+    effects = pd.DataFrame([
+        {"claim": "C1", "claim_id": "C1", "arm": "sigmoid", "reference": "dense"},
+        {"claim": "C2", "claim_id": "C2", "arm": "sigmoid", "reference": "random_gated"},
+        {"claim": "C1+", "claim_id": "C1+", "arm": "dense small", "reference": "dense"},
+    ])
+    claims = [Claim("C1", "MoD vs dense", "MoD is better", -0.2, -0.3, -0.1, 3, verdict_class="better"),
+              Claim("C2", "learned vs random", "learned is better", -0.5, -0.6, -0.4, 3, verdict_class="better"),
+              Claim("C3a", "causal rule vs chance", "above chance", 0.1, 0.05, 0.15, 3, verdict_class="better"),
+              Claim("C1+", "positive control", "passed", 0.1, 0.05, 0.15, 3, verdict_class="worse")]
+    gated = {c.id: c for c in regime_gate(claims, effects, arms, base)}
+    assert gated["C1"] == claims[0] and gated["C1+"] == claims[3]  # both sides beat 2.2: verdicts stand
+    assert gated["C3a"] == claims[2]  # no arms of its own: gated only when no arm beats the bar
+    c2 = gated["C2"]
+    assert c2.verdict_class == REGIME_NOT_REACHED and "random_gated (2.400)" in c2.verdict and "sigmoid" not in c2.verdict
+    assert (c2.estimate, c2.ci_low, c2.ci_high, c2.n_seeds) == (-0.5, -0.6, -0.4, 3)  # the numbers stay
+    sentence = claim_sentence(c2, effects)
+    assert "regime not reached" in sentence and "better" not in sentence and "-0.500" in sentence.replace("−", "-")
+    # Nothing beats the bar: every claim is gated, the within-run one too, and the positive control decides nothing.
+    worse = arms.assign(causal_bpb=[2.3, 2.4, 2.5, 2.6])
+    everything = regime_gate(claims, effects, worse, base)
+    assert {c.verdict_class for c in everything} == {REGIME_NOT_REACHED}
+    assert positive_control_line(everything).startswith("**The positive control decides nothing here:**")
+
+
+def test_primary_claims_are_holm_corrected_across_the_study():
+    """Each claim's primary contrast is its own family, but a study tests several (issue "Best against
+    best", item 5): Holm across them, the positive control left out; a claim significant on its own
+    but not after the correction is reclassed and says why."""
+    from modbench.report.claims import Claim, holm_across_primaries
+
+    effects = pd.DataFrame([
+        {"claim": "C1", "claim_id": "C1", "family": "primary", "arm": "a", "reference": "d", "estimate": -0.1,
+         "p": 0.03, "tost_p": None},
+        {"claim": "C2", "claim_id": "C2", "family": "primary", "arm": "a", "reference": "r", "estimate": -0.2,
+         "p": 0.04, "tost_p": 0.5},
+        {"claim": "C2", "claim_id": "", "family": "secondary", "arm": "b", "reference": "r2", "estimate": -0.2,
+         "p": 0.001, "tost_p": None},
+        {"claim": "C1+", "claim_id": "C1+", "family": "primary", "arm": "s", "reference": "d", "estimate": 0.3,
+         "p": 0.001, "tost_p": None},
+    ])
+    claims = [Claim("C1", "s1", "better", -0.1, -0.2, -0.01, 4, verdict_class="better"),
+              Claim("C2", "s2", "better", -0.2, -0.3, -0.05, 4, verdict_class="better"),
+              Claim("C1+", "pc", "passed", 0.3, 0.2, 0.4, 4, verdict_class="worse")]
+    out, eff = holm_across_primaries(claims, effects)
+    by = {c.id: c for c in out}
+    assert eff.loc[0, "p_primaries"] == pytest.approx(0.06) and eff.loc[1, "p_primaries"] == pytest.approx(0.06)
+    assert pd.isna(eff.loc[2, "p_primaries"]) and pd.isna(eff.loc[3, "p_primaries"])  # secondary, positive control
+    assert by["C1"].verdict_class == "inconclusive" and "after Holm across the study's 2 primary claims" in by["C1"].verdict
+    assert by["C2"].verdict_class == "inconclusive" and by["C1+"] == claims[2]
+    # A single primary: the study's correction is its own, and nothing changes.
+    single, eff1 = holm_across_primaries(claims[:1] + claims[2:], effects.iloc[[0, 3]])
+    assert single == claims[:1] + claims[2:] and eff1["p_primaries"].isna().all()
+
+
+def test_a_tie_at_different_cost_names_the_costs_and_the_declared_winner():
+    """paper_claims' C1 tied MoD with a dense model that was cheaper to decode and to train, and the
+    report never said that a tie goes to the cheaper arm (issue "Best against best"): a tie now states
+    both costs, and the claim's declared tie_break names the winner, or says none was declared."""
+    from types import SimpleNamespace
+
+    from modbench.design.study_file import ClaimSettings
+    from modbench.report.claims import Claim
+    from modbench.report.claims_report import tie_lines
+
+    arms = pd.DataFrame({"arm": ["mod", "dense"], "decode_flops_per_token": [1.25e6, 1.0e6],
+                         "flops_per_token": [3.87e6, 3.0e6]})
+    effects = pd.DataFrame([{"claim": "C1", "claim_id": "C1", "family": "primary", "arm": "mod", "reference": "dense"}])
+    tie = [Claim("C1", "MoD vs dense", "equivalent", 0.003, -0.02, 0.03, 8, margin=0.025, verdict_class="equivalent")]
+    ruled = SimpleNamespace(claim_settings={"mod_vs_best_dense": ClaimSettings(margin=0.025, tie_break="decode_flops")})
+    lines, records = tie_lines(tie, effects, arms, ruled)
+    assert "mod costs +25% decode FLOPs/token and +29% training FLOPs/token against dense" in lines[0]
+    assert "**dense wins**" in lines[0] and records[0]["winner"] == "dense"
+    unruled = SimpleNamespace(claim_settings={"mod_vs_best_dense": ClaimSettings(margin=0.025)})
+    lines, records = tie_lines(tie, effects, arms, unruled)
+    assert "declares no rule" in lines[0] and records[0]["winner"] is None
+    better = [Claim("C1", "MoD vs dense", "better", -0.1, -0.2, -0.05, 8, verdict_class="better")]
+    assert tie_lines(better, effects, arms, ruled) == ([], [])  # only a tie needs the rule
+
+
+def test_a_tie_rule_needs_a_margin_and_a_known_cost(tmp_path):
+    from modbench.design.study_file import load_study
+    from modbench.errors import ModbenchError
+
+    base = STUDY.replace("{name}", "tie") + '\n[claims.mod_vs_best_dense]\n'
+    for extra, message in (('tie_break = "decode_flops"\n', "needs a margin"),
+                           ('margin = 0.05\ntie_break = "wall_clock"\n', "expected 'decode_flops' or 'train_flops'")):
+        path = tmp_path / "tie.toml"
+        path.write_text(base + extra)
+        with pytest.raises(ModbenchError, match=message):
+            load_study(path)
+    path.write_text(base + 'margin = 0.05\ntie_break = "train_flops"\n')
+    assert load_study(path).claim_settings["mod_vs_best_dense"].tie_break == "train_flops"

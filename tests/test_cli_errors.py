@@ -144,7 +144,7 @@ def test_report_or_ui_at_an_mlflow_store_that_is_not_a_database_is_one_line(tmp_
 def test_a_reports_folder_that_cannot_be_created_is_one_line_before_any_work(tmp_cwd, capsys):
     import optuna
 
-    from modbench.config.study import load_study
+    from modbench.design.study_file import load_study
     from modbench.track.optuna_store import default_storage
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # as the runner does: no INFO line per study
@@ -161,7 +161,7 @@ def test_a_report_whose_mlflow_store_is_missing_is_one_line_and_creates_none(tmp
     """The study's trials are here, its MLflow runs are not (they went to another --tracking-uri)."""
     import optuna
 
-    from modbench.config.study import load_study
+    from modbench.design.study_file import load_study
     from modbench.track.optuna_store import default_storage
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)

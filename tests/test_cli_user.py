@@ -189,8 +189,8 @@ def test_study_list_builds_no_model(monkeypatch, capsys):
 @pytest.mark.parametrize("name", ["paper_claims", "methods_shootout"])
 def test_study_list_counts_derived_controls_as_the_runner_will(name):
     from modbench.cli.study import planned_trials
-    from modbench.config.study import load_study
-    from modbench.model.sizing import study_arms
+    from modbench.design.study_file import load_study
+    from modbench.design.controls import study_arms
     from modbench.study.tuning import plan
 
     study = load_study(name)

@@ -7,8 +7,8 @@ from pathlib import Path
 import optuna
 from mlflow.tracking import MlflowClient
 
-from modbench.config.study import load_study
-from modbench.model.sizing import study_arms
+from modbench.design.study_file import load_study
+from modbench.design.controls import study_arms
 from modbench.study.runner import Runner, run_study
 
 from test_tuning import write_study

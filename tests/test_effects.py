@@ -290,7 +290,7 @@ def test_isoflop_profile_recovers_a_planted_optimum():
             for s in range(4):
                 rows.append(dict(family=family, budget=1e13, params=10**u, seed=s,
                                  loss=floor + 0.5 * (u - u_star) ** 2 + rng.normal(0, 0.01)))
-    fits, diffs = profiles(pd.DataFrame(rows))
+    fits, diffs = profiles(pd.DataFrame(rows), reference="dense")
     by = fits.set_index("family")
     assert by.loc["dense", "inside"] and by.loc["sigmoid", "inside"]
     assert by.loc["dense", "opt_low"] < 10**6.0 < by.loc["dense", "opt_high"]

@@ -96,7 +96,7 @@ def test_isoflop_figure_labels_the_fit_with_its_df_and_shows_seeds_and_the_mod_a
     from modbench.report.isoflop import profiles
 
     points = _profile(sizes)
-    fits, _ = profiles(points)
+    fits, _ = profiles(points, reference="dense")
     mod = pd.DataFrame([dict(arm="sigmoid C=0.125", variant="sigmoid", params=8e4, seed=s, loss=2.01 + 0.01 * s)
                         for s in (0, 1, 2)])
     others = points.assign(loss=points["loss"] + 0.1).iloc[:2]

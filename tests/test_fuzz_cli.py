@@ -63,7 +63,7 @@ def entry_points_stubbed(tmp_cwd, monkeypatch):
     import modbench.report.build as build_mod
     import modbench.run.train as train_mod
 
-    from modbench.config.study import load_study
+    from modbench.design.study_file import load_study
 
     def validate_then_accept(study_file, *args, **kwargs):
         load_study(study_file)  # the study file is still validated, as the real command does first
@@ -117,7 +117,7 @@ def test_the_stubs_are_reached_by_valid_input(argv, entry_points_stubbed):
     if argv[0] == "report":  # a report needs the study's trials (it never creates an empty store)
         import optuna
 
-        from modbench.config.study import load_study
+        from modbench.design.study_file import load_study
         from modbench.track.optuna_store import default_storage
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)

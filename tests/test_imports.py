@@ -30,11 +30,13 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"errors", "results", "variants", "data"},
     "model": {"errors", "config", "variants"},
     "track": {"errors", "results", "config"},
+    "design": {"errors", "results", "config", "data", "variants", "model"},
     "run": {"errors", "results", "config", "data", "variants", "model", "track", "progress", "interrupts"},
     "bench": {"errors", "config", "variants", "model"},
-    "report": {"errors", "results", "config", "data", "variants", "model", "track"},
-    "study": {"errors", "results", "config", "data", "model", "run", "track", "progress", "interrupts", "report"},
+    "report": {"errors", "results", "config", "data", "variants", "model", "track", "design"},
+    "study": {"errors", "results", "config", "data", "model", "run", "track", "progress", "interrupts", "report", "design"},
     "cli": {"errors", "results", "config", "data", "variants", "model", "track", "run", "bench", "report", "study", "progress",
+            "design",
             "interrupts"},
 }
 

@@ -172,7 +172,7 @@ def test_routed_step_attends_to_the_tokens_step_0_processed(name, capacity, extr
         delta = a + block.mlp(block.norm2(xs + a))
         r = layer.router.route(x_in1, sel1.shape[1], stats[0]["layer_processed"])
         assert torch.equal(r.index, sel1)
-        new = xs + r.weight * ((xs + delta) if layer.weights_output else delta)
+        new = xs + r.weight * ((xs + delta) if layer.mixing.output else delta)
         expected = x_in1.scatter(1, sel1.unsqueeze(-1).expand(-1, -1, 32), new)
     torch.testing.assert_close(out1.x, expected, atol=1e-5, rtol=1e-5)
     if name == "sigmoid":  # some selected token at step 1 precedes every key of step 0 or is not one

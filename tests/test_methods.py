@@ -508,7 +508,7 @@ def test_mixture_of_experts_at_inference_keeps_each_row_independent_of_the_other
 
 # --- issue 26, item 5: plumbing ----------------------------------------------------------------------
 def test_k_max_is_slack_times_the_fixed_count_k_in_code_and_docs():
-    """k_max = min(T, ⌈slack·k⌉), k = max(1, ⌊C·T⌋): the code, the variant's docs and the README say one thing."""
+    """k_max = min(T, ⌈slack·k⌉), k = max(1, ⌊C·T⌋): the code, the variant's docs and docs/variants.md say one thing."""
     from pathlib import Path
 
     import modbench.variants.token_choice as token_choice
@@ -522,10 +522,12 @@ def test_k_max_is_slack_times_the_fixed_count_k_in_code_and_docs():
             k = block.capacity.k(seq_len)
             assert k == max(1, math.floor(C * seq_len + 1e-9))
             assert block.router.tokens_run(k, seq_len) == expected == min(seq_len, math.ceil(slack * k))
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    for text in (readme, token_choice.__doc__):
+    root = Path(__file__).resolve().parents[1]
+    variants_doc = (root / "docs" / "variants.md").read_text()
+    for text in (variants_doc, token_choice.__doc__):
         assert "⌈slack·C·T⌉" not in text.replace(" ", "")
         assert "⌈slack·k⌉" in text.replace(" ", "")
+    assert "⌈slack·C·T⌉" not in (root / "README.md").read_text().replace(" ", "")
 
 
 def test_learned_temperature_stays_in_its_bounds_and_keeps_a_gradient_there():
@@ -603,7 +605,7 @@ def test_pmod_weight_scope_mlp_weights_the_mlp_output_only(weight_scope):
     torch.manual_seed(10)
     options = {} if weight_scope == "mlp" else {"weight_scope": "block"}
     m = spread(GPT(CFG, RoutingConfig("pmod", capacity=0.25, pattern="all", options=options)))
-    assert m.routers[0].weight_scope == weight_scope
+    assert m.routers[0].mixing.weight == weight_scope
     block: RoutedBlock = m.layers[0]
     x = torch.randn(2, T, CFG.width)
     with torch.no_grad():

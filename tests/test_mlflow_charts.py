@@ -19,7 +19,7 @@ from modbench.track.checkpoint import load_checkpoint
 from test_train import tiny
 
 REPO = Path(__file__).resolve().parents[1]
-README = (REPO / "README.md").read_text()
+STUDIES_DOC = (REPO / "docs" / "studies.md").read_text()  # the MLflow recipe, moved there from the README
 SMOKE = (REPO / "studies" / "smoke.toml").read_text()
 
 
@@ -83,14 +83,14 @@ def test_periodic_causal_bpb_is_the_final_evaluations_number(variant):
     assert periodic["causal_fraction"] == final["causal_fraction"]
 
 
-def _readme_filter() -> str:
-    """The chart filter the README gives, taken from the README so the test runs what it says."""
-    match = re.search(r"`(tags\.\"modbench\.role\" = '[a-z]+')`", README)
-    assert match, "the README's MLflow comparison recipe names no modbench.role filter"
+def _recipe_filter() -> str:
+    """The chart filter docs/studies.md gives, taken from it so the test runs what it says."""
+    match = re.search(r"`(tags\.\"modbench\.role\" = '[a-z]+')`", STUDIES_DOC)
+    assert match, "the MLflow comparison recipe of docs/studies.md names no modbench.role filter"
     return match.group(1)
 
 
-def test_readme_chart_recipe_gives_one_causal_curve_per_arm_against_cum_flops(tmp_cwd):
+def test_chart_recipe_gives_one_causal_curve_per_arm_against_cum_flops(tmp_cwd):
     study = tmp_cwd / "charts.toml"
     study.write_text(SMOKE.replace('name = "smoke"', 'name = "charts"').replace("seeds = [0, 1]", "seeds = [0]")
                      .replace('budget = "steps=6"', 'budget = "steps=9"'))
@@ -99,7 +99,7 @@ def test_readme_chart_recipe_gives_one_causal_curve_per_arm_against_cum_flops(tm
     client = MlflowClient(f"sqlite:///{tmp_cwd}/mlflow.db")
     exp = client.get_experiment_by_name("charts")
     everything = client.search_runs([exp.experiment_id])
-    shown = client.search_runs([exp.experiment_id], filter_string=_readme_filter())
+    shown = client.search_runs([exp.experiment_id], filter_string=_recipe_filter())
     parent = [r for r in everything if r.data.tags.get("modbench.role") == "study"]
     assert len(everything) == 3 and len(parent) == 1  # the parent exists, and the filter leaves it out
     assert {r.info.run_id for r in shown} == {r.info.run_id for r in everything} - {parent[0].info.run_id}

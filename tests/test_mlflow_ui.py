@@ -303,15 +303,15 @@ def test_experiment_opens_in_the_model_training_layout(browser, server, trials, 
     _screenshot(browser, study_dir / "training_layout.png")
 
 
-def test_the_readmes_compare_link_opens_in_the_model_training_layout(browser, server, trials, study_dir):
-    """The compare link exactly as the README gives it (…&workflowType=machine_learning), opened by a
+def test_the_docs_compare_link_opens_in_the_model_training_layout(browser, server, trials, study_dir):
+    """The compare link exactly as docs/studies.md gives it (…&workflowType=machine_learning), opened by a
     visitor with no saved layout: both runs side by side and nothing of MLflow 3's GenAI layout."""
     from selenium.webdriver.support import expected_conditions as EC
     from selenium.webdriver.common.by import By
 
     experiment_id, runs = trials
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    template = re.search(r"`(#/compare-runs\?[^`]+)`", readme).group(1)
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "studies.md").read_text()
+    template = re.search(r"`(#/compare-runs\?[^`]+)`", doc).group(1)
     link = (template.replace('["<run id>","<run id>"]', json.dumps([r.info.run_id for r in runs], separators=(",", ":")))
                     .replace('["<experiment id>"]', json.dumps([experiment_id])))
     assert "<" not in link and link.endswith("workflowType=machine_learning")
@@ -321,7 +321,7 @@ def test_the_readmes_compare_link_opens_in_the_model_training_layout(browser, se
     _close_assistant(browser)
     for genai in GENAI_ONLY:
         assert not _shown(browser, genai), f"GenAI layout: {genai!r} is on the page"
-    _screenshot(browser, study_dir / "compare_runs_readme_link.png")
+    _screenshot(browser, study_dir / "compare_runs_docs_link.png")
 
 
 def test_grouping_by_arm_shows_every_arm_in_table_and_charts(browser, server, trials, study_dir):

@@ -1,4 +1,4 @@
-"""The README's "Workers on several machines" recipe, on one host.
+"""The "Workers on several machines" recipe of docs/studies.md, on one host.
 
 A real ``mlflow server`` (its own SQLite store, artifacts proxied from a folder no worker sees),
 one PostgreSQL database for Optuna, two ``modbench study run`` workers that share no file (each
@@ -25,15 +25,15 @@ from modbench.track.optuna_store import trials_frame
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "studies" / "smoke.toml"
-README = REPO / "README.md"
+RECIPE_DOC = REPO / "docs" / "studies.md"  # the recipe, moved there from the README
 POSTGRES = os.environ.get("MODBENCH_TEST_POSTGRES_URL")
 SERVER_START_S = 180.0  # an overall deadline for the server to answer; the trigger is its answer
-# The name workers on other machines use for the tracking host in the README's recipe.
+# The name workers on other machines use for the tracking host in the recipe.
 TRACKING_HOST = "mlflow-host"
 
 
 def modbench_command() -> list[str]:
-    """The installed console script beside this interpreter (what the README runs), else the module."""
+    """The installed console script beside this interpreter (what the recipe runs), else the module."""
     script = Path(sys.executable).with_name("modbench")
     return [str(script)] if script.exists() else [sys.executable, "-m", "modbench.cli.main"]
 
@@ -89,10 +89,10 @@ def stop_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
     proc.wait(timeout=timeout_s)
 
 
-def readme_server_command() -> tuple[dict[str, str], list[str]]:
-    """The ``mlflow server`` command of the README's several-machines recipe: its environment
+def recipe_server_command() -> tuple[dict[str, str], list[str]]:
+    """The ``mlflow server`` command of the several-machines recipe (docs/studies.md): its environment
     assignments (``VAR=value mlflow server …``) and its argv."""
-    text = README.read_text()
+    text = RECIPE_DOC.read_text()
     section = text[text.index("**Workers on several machines.**"):]
     block = section[section.index("```bash") + len("```bash"):section.index("```", section.index("```bash") + 7)]
     joined = block.replace("\\\n", " ")
@@ -104,7 +104,7 @@ def readme_server_command() -> tuple[dict[str, str], list[str]]:
 
 
 def as_run_here(argv: list[str], port: int, backend_store: str, artifacts: Path) -> list[str]:
-    """The README's server command with only its placeholders filled in: this test's port, database
+    """The recipe's server command with only its placeholders filled in: this test's port, database
     and artifact folder (the host names, the host list and every other option as written)."""
     values = {"--port": str(port), "--backend-store-uri": backend_store, "--artifacts-destination": str(artifacts)}
     out = []
@@ -126,12 +126,12 @@ def option(argv: list[str], name: str) -> str | None:
     return None
 
 
-def test_readme_server_accepts_the_host_name_its_workers_use():
+def test_recipe_server_accepts_the_host_name_its_workers_use():
     """MLflow >= 3.5 answers 403 "Invalid Host header" to any name outside --allowed-hosts
     (default: localhost and private IPs), so the recipe's server must list the name and port
     its workers and report reach it by."""
-    env, argv = readme_server_command()
-    text = README.read_text()
+    env, argv = recipe_server_command()
+    text = RECIPE_DOC.read_text()
     section = text[text.index("**Workers on several machines.**"):]
     uris = set(re.findall(r"--tracking-uri (http://[^\s`]+)", section.split("## Reports")[0]))
     assert uris, "the recipe's workers name no tracking server"
@@ -157,7 +157,7 @@ def test_readme_server_accepts_the_host_name_its_workers_use():
 
 @pytest.fixture
 def tracking_server(tmp_path):
-    """A real MLflow tracking server, started by the README recipe's command as written (PostgreSQL
+    """A real MLflow tracking server, started by the recipe's command as written (PostgreSQL
     behind it, proxied artifacts, its host list, no GenAI job runner) with only the port, database
     and artifact folder filled in; yields (uri, port, artifact root, its database URL)."""
     if not POSTGRES:
@@ -165,7 +165,7 @@ def tracking_server(tmp_path):
     artifacts = tmp_path / "server" / "artifacts"
     artifacts.mkdir(parents=True)
     log = tmp_path / "server" / "server.log"
-    readme_env, readme_argv = readme_server_command()
+    recipe_env, recipe_argv = recipe_server_command()
     mlflow = Path(sys.executable).with_name("mlflow")
     base = [str(mlflow)] if mlflow.exists() else [sys.executable, "-m", "mlflow"]
     proc = None
@@ -175,9 +175,9 @@ def tracking_server(tmp_path):
         try:
             for _attempt in range(3):  # a port taken between free_port() and the bind: another port
                 port = free_port()
-                argv = base + as_run_here(readme_argv, port, database, artifacts)[1:]
+                argv = base + as_run_here(recipe_argv, port, database, artifacts)[1:]
                 with open(log, "w") as out:
-                    env = isolated_env(tmp_path / "server" / "home", **readme_env)
+                    env = isolated_env(tmp_path / "server" / "home", **recipe_env)
                     proc = subprocess.Popen(argv, cwd=tmp_path / "server", env=env,
                                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
                 deadline = time.monotonic() + SERVER_START_S

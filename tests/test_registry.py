@@ -94,14 +94,15 @@ def test_third_party_variant_loads_through_entry_points(tmp_path, monkeypatch):
 
 def test_product_text_cites_public_sources_never_the_internal_seed_documents():
     """Users cannot look up "seed 000"-style design documents, and "seed" clashes with random
-    seeds: the README, the code's docstrings, the study files and every variant's source cite the
+    seeds: the README and docs/, the code's docstrings, the study files and every variant's source cite the
     public work (Raposo et al. 2024 with its section, the "Mixture of Depth is Vibe" blog, nanochat)."""
     import re
     from pathlib import Path
 
     internal = re.compile(r"\bseeds?[ /_-]*0\d\d\b|shared/seeds", re.IGNORECASE)
     root = Path(__file__).resolve().parents[1]
-    files = [root / "README.md", *root.glob("harness/**/*.py"), *root.glob("variants/**/*.py"), *root.glob("studies/*.toml")]
+    files = [root / "README.md", *root.glob("docs/*.md"), *root.glob("harness/**/*.py"), *root.glob("variants/**/*.py"),
+             *root.glob("studies/*.toml")]
     hits = [f"{f.relative_to(root)}: {m.group(0)}" for f in files for m in internal.finditer(f.read_text())]
     hits += [f"variant {name}: {variants.get_variant(name).source}" for name in variants.list_variants()
              if internal.search(variants.get_variant(name).source)]
@@ -141,26 +142,26 @@ def test_every_router_parameter_is_undecayed_and_initialised_by_its_router(name)
     assert all(bool((p == 0.123).all()) for p in owned)
 
 
-def _readme_variant_rows() -> dict[str, list[str]]:
-    """{variant: cells} of every row of the README's variant tables."""
+def _variant_table_rows() -> dict[str, list[str]]:
+    """{variant: cells} of every row of the variant tables in docs/variants.md."""
     import re
     from pathlib import Path
 
     rows: dict[str, list[str]] = {}
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    for line in readme.splitlines():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "variants.md").read_text()
+    for line in doc.splitlines():
         if m := re.match(r"^\| `(\w+)` \|(.*)\|\s*$", line):
-            assert m[1] not in rows, f"variant {m[1]} has two README rows"
+            assert m[1] not in rows, f"variant {m[1]} has two rows in docs/variants.md"
             rows[m[1]] = [c.strip() for c in m[2].split(" | ")]
     return rows
 
 
-def test_readme_variant_tables_show_the_registrys_provenance():
-    """Both README variant tables carry a provenance column equal to each variant's registry fields,
-    every built-in variant has a row, and every routed one states its provenance."""
+def test_docs_variant_tables_show_the_registrys_provenance():
+    """Both variant tables of docs/variants.md carry a provenance column equal to each variant's registry
+    fields, every built-in variant has a row, and every routed one states its provenance."""
     from modbench.variants.base import CHECKS, ORIGINS
 
-    rows = _readme_variant_rows()
+    rows = _variant_table_rows()
     assert set(rows) == set(variants.list_variants())
     for name in variants.list_variants():
         spec = variants.get_variant(name)
@@ -171,7 +172,7 @@ def test_readme_variant_tables_show_the_registrys_provenance():
             assert all(check in CHECKS for _, check in p.citations)
             assert p.citations or name.startswith("random"), f"{name} cites nothing"
         expected = spec.provenance.cell() if spec.provenance else "—"
-        assert rows[name][-1] == expected, f"README provenance of {name}: {rows[name][-1]!r} != {expected!r}"
+        assert rows[name][-1] == expected, f"docs/variants.md provenance of {name}: {rows[name][-1]!r} != {expected!r}"
 
 
 def test_provenance_refuses_values_outside_its_vocabulary():

@@ -239,10 +239,10 @@ def test_the_best_dense_model_is_chosen_on_the_tuning_seed_at_the_studys_budget_
     rows += [dict(family="dense", budget=7e12, params=2.3e5, arm="L3 d80", lr_mult=4.0, seed=0, loss=2.217)]
     rows += [dict(family="dense", budget=5.75e12, params=3.3e5, arm="control", lr_mult=2.0, seed=s, loss=2.34)
              for s in range(4)]
-    dense, compared, best = dense_reference(pd.DataFrame(rows), 7e12, tuning_seed=0)
+    dense, compared, best = dense_reference(pd.DataFrame(rows), 7e12, tuning_seed=0, family="dense")
     assert best == "L3 d96"
     assert set(compared["seed"]) == {0} and set(dense["budget"]) == {7e12} and "control" not in set(dense["arm"])
-    assert dense_reference(pd.DataFrame(rows), 7e12, tuning_seed=None)[2] == "L3 d80"  # untuned: seed means
+    assert dense_reference(pd.DataFrame(rows), 7e12, tuning_seed=None, family="dense")[2] == "L3 d80"  # untuned: seed means
 
 
 # --- the report's first lines --------------------------------------------------------------------
@@ -312,3 +312,46 @@ def test_the_tuning_table_names_every_unbracketed_family():
     assert "Unbracketed (best value at an edge of what was tried): dense L3." in text
     assert "| **no** " in text and "| yes " in text
     assert tuning_lines(pd.DataFrame()) == []
+
+
+def test_a_size_is_its_architecture_and_a_recursive_model_never_enters_the_dense_profile():
+    """recursion_vs_routing's dense middle_cycle N_R=3 has the parameters of the param-matched
+    L3 d160 (922,720); the isoFLOP profile grouped sizes by parameter count and labelled every dense
+    model "dense", so the recursive model was averaged into L3 d160 and the profile's optimum was an
+    artefact (issue "Best against best"). Each architecture is its own size, and the recursive dense
+    model is a family of its own."""
+    import pandas as pd
+
+    from modbench.design.arm import Arm
+    from modbench.design.controls import study_arms
+    from modbench.design.study_file import load_study
+    from modbench.report.claims_report import profile_points
+    from modbench.report.collect import ReportData
+    from modbench.report.isoflop import best_lr_points
+
+    study = load_study("recursion_vs_routing")
+    arms = {study.label(a): a for a in study_arms(study)}
+    recursive = next(a for a in arms.values() if a.variant == "dense" and a.recursion != "none")
+    twin = next(a for a in arms.values() if a.control.startswith("param-matched"))
+    vanilla = next(a for a in arms.values() if a.variant == "dense" and not a.control and a.recursion == "none")
+    small = Arm("dense", depth=2, budget=study.base.train.budget)
+    losses = {recursive: 2.30, twin: 2.60, vanilla: 2.50, small: 2.70}
+    rows = []
+    for arm, loss in losses.items():
+        for lr in (1.0, 2.0):
+            rows.append({**arm.to_dict(), "lr_mult": lr, "seed": 0, "arm": study.label(arm),
+                         "val/causal_bpb": loss + (0.1 if lr == 2.0 else 0.0), "steps": 10})
+    done = pd.DataFrame(rows)
+    data = ReportData(study, "", pd.DataFrame(), done, pd.DataFrame())
+    points = profile_points(data)
+    families = points.groupby("arm")["family"].first()
+    assert families[study.label(recursive)] == "dense middle_cycle N_R=3"
+    assert set(families[[study.label(twin), study.label(vanilla), study.label(small)]]) == {"dense"}
+    best, sizes = best_lr_points(points, tuning_seed=0)
+    dense = sizes[sizes["family"] == "dense"]
+    assert sorted(dense["size"]) == ["L2 d64", "L3 d160", "L5 d160"]
+    # the recursive model's params equal the twin's, yet the twin's size holds the twin's loss alone
+    params = points.groupby("arm")["params"].first()
+    assert params[study.label(recursive)] == params[study.label(twin)]
+    twin_rows = best[(best["family"] == "dense") & (best["size"] == "L3 d160")]
+    assert twin_rows["loss"].tolist() == [2.60]

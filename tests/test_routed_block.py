@@ -1,5 +1,7 @@
 """Correctness of routed layers, swept over every registered variant (like timm's tests)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -106,14 +108,14 @@ def test_routed_block_equals_dense_block_on_the_subset_at_original_positions(nam
             sub = base[b, idx].unsqueeze(0)
             if block.router.scope == "mlp":
                 delta = block.block.mlp(block.block.norm2(sub))
-            elif block.router.weight_scope == "mlp" and r.weight is not None:  # x + attn + w·mlp (p-MoD)
+            elif block.mixing.weight == "mlp" and r.weight is not None:  # x + attn + w·mlp (p-MoD)
                 a = block.block.attention(sub, cos[idx].unsqueeze(0).unsqueeze(0), sin[idx].unsqueeze(0).unsqueeze(0))
                 delta = a + block.block.mlp(block.block.norm2(sub + a)) * r.weight[b][valid[b]]
             else:  # a dense block on the subset, original positions
                 delta = block.block.delta(sub, cos[idx].unsqueeze(0).unsqueeze(0), sin[idx].unsqueeze(0).unsqueeze(0))
-                if block.weights_output:  # mor: the weight scales the block's output x + Δ (its released code)
+                if block.mixing.output:  # mor: the weight scales the block's output x + Δ (its released code)
                     delta = delta + sub
-            if r.weight is not None and block.router.weight_scope == "block":
+            if r.weight is not None and block.mixing.weight == "block":
                 delta = delta * r.weight[b][valid[b]]
             torch.testing.assert_close(out[b, idx].unsqueeze(0), sub + delta, rtol=1e-5, atol=1e-6)
 
@@ -238,7 +240,7 @@ def test_a_variable_count_router_that_weights_the_blocks_output_leaves_unused_sl
     nothing there — not w·x. token_choice made to weight its block's output, at C where its slots
     outnumber the tokens it picks."""
     block = routed_block("token_choice", capacity=0.25)
-    block.weights_output = True  # as a router declaring weights_block_output would (mor's update)
+    block.set_mixing(replace(block.mixing, output=True))  # as a router declaring Mixing(output=True) would (mor's update)
     x = torch.randn(B, T, CFG.width)
     with torch.no_grad():
         layer = run(block, x)

@@ -16,7 +16,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from modbench.config.study import load_study
+from modbench.design.study_file import load_study
 from modbench.data import STDLIB_FILE_ENV, dataset_origin, load_corpus, stdlib_file_name
 from modbench.errors import ModbenchError
 from modbench.study import slot

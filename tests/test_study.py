@@ -18,7 +18,7 @@ from modbench.cli.main import main
 from modbench.errors import ModbenchError
 from modbench.results import ALIASES
 from modbench.track.optuna_store import trials_frame
-from modbench.config.study import load_study
+from modbench.design.study_file import load_study
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "studies" / "smoke.toml"

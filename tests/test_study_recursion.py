@@ -9,11 +9,12 @@ import pytest
 import tomli_w
 
 from modbench.cli.main import main
-from modbench.config.study import Arm, canonical_arm, load_study
+from modbench.design.arm import Arm
+from modbench.design.study_file import load_study
 from modbench.errors import ModbenchError
-from modbench.model.sizing import MATCH_TOLERANCE, control_arms, flops_per_token, non_embedding_params, study_arms
+from modbench.model.sizing import MATCH_TOLERANCE, flops_per_token, non_embedding_params
+from modbench.design.controls import control_arms, study_arms
 from modbench.study import tuning
-from modbench.study.points import arm_from_params, arm_params
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "studies" / "recursion_vs_routing.toml"
@@ -79,19 +80,18 @@ def test_the_axes_make_recursive_arms_with_their_labels_and_run_configs(tmp_path
 
 
 def test_vanilla_arms_keep_their_identity_and_recursive_ones_round_trip():
-    vanilla = canonical_arm("sigmoid", 0.125, "alternate", "constant", 1.0, 4, "flops=7e12")
-    assert vanilla == Arm("sigmoid", 0.125, "alternate", "constant", 1.0, 4, "flops=7e12")
-    assert arm_params(vanilla) == {"variant": "sigmoid", "capacity": 0.125, "pattern": "alternate", "schedule": "constant",
+    vanilla = Arm("sigmoid", 0.125, "alternate", "constant", 1.0, 4, "flops=7e12")
+    assert vanilla.params() == {"variant": "sigmoid", "capacity": 0.125, "pattern": "alternate", "schedule": "constant",
                                    "lr_mult": 1.0, "depth": 4, "budget": "flops=7e12"}  # no recursion keys: stored arms still match
     assert vanilla.label == "sigmoid C=0.125 alternate"
-    mor = canonical_arm("mor", 0.5, "fixed:1,1", "constant", 2.0, 5, "flops=1e13", recursion="middle_cycle",
-                        recursions=3, capacities="1,2/3,1/3")
+    mor = Arm("mor", 0.5, "fixed:1,1", "constant", 2.0, 5, "flops=1e13", recursion="middle_cycle",
+              recursions=3, capacities="1,2/3,1/3")
     assert mor.capacity == pytest.approx(1 / 3)  # the last entry, whatever capacity the grid listed
-    params = arm_params(mor)
+    params = mor.params()
     assert {k: params[k] for k in ("recursion", "recursions", "capacities")} == \
         {"recursion": "middle_cycle", "recursions": 3, "capacities": "1,2/3,1/3"}
-    assert arm_from_params(params) == mor
-    assert canonical_arm("dense", 1, "-", "constant", 1, 5, "x", recursion="none", recursions=3).recursions == 1
+    assert Arm.from_params(params) == mor
+    assert Arm("dense", 1, "-", "constant", 1, 5, "x", recursion="none", recursions=3).recursions == 1
 
 
 @pytest.mark.parametrize("old, new, message", [
@@ -180,7 +180,7 @@ def test_the_protocol_tunes_and_confirms_the_recursive_dense_model_as_a_family_o
             points.append(tuning.TrialPoint(replace(f, lr_mult=lr), s.tune.seed, "COMPLETE", "extend", 9.0, 9.0))
     step = tuning.plan(s, points, ["tune", "extend", "optimum"])
     assert step.stage == tuning.CONFIRM
-    confirmed = {tuning.family_of(a) for a, _ in step.queue}
+    confirmed = {a.family for a, _ in step.queue}
     assert confirmed == set(families)  # the recursive dense and the param-matched model too, not only the best dense
     assert {seed for _, seed in step.queue} == set(s.settings.seeds) - {s.tune.seed}
 

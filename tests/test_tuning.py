@@ -22,7 +22,7 @@ import optuna
 import pandas as pd
 import pytest
 
-from modbench.config.study import TuneSettings, load_study
+from modbench.design.study_file import TuneSettings, load_study
 from modbench.study import tuning
 from modbench.study.tuning import TrialPoint, decide
 
@@ -153,7 +153,7 @@ def test_stages_in_order_from_tuning_to_confirmation(tmp_path):
     names = [s for s, _ in stages]
     assert names[0] == "tune" and names[-1] == "confirm" and names.count("optimum") == 1
     tune_queue = stages[0][1]
-    families = {tuning.family_of(a) for a, _ in tune_queue}
+    families = {a.family for a, _ in tune_queue}
     # Every declared family but the random control (which follows sigmoid) gets the grid, on the tuning seed.
     assert {(f.variant, f.depth) for f in families} == {("dense", 1), ("dense", 2), ("dense", 4), ("dense", 5), ("sigmoid", 2)}
     assert sorted({a.lr_mult for a, _ in tune_queue}) == [1.0, 2.0] and {s for _, s in tune_queue} == {0}
@@ -234,7 +234,7 @@ def test_a_study_without_tune_has_no_stages_and_its_grid_is_unchanged(tmp_path):
 def _advance_in_process(path: str, url: str, out_dir: str, tracking: str, rounds: int, barrier, results) -> None:
     """A worker that, each round, plans at the same instant as the other (a 3-party barrier: the
     test process finishes the queued trials between rounds)."""
-    from modbench.config.study import load_study
+    from modbench.design.study_file import load_study
     from modbench.study.runner import Runner
 
     runner = Runner(load_study(path), url, Path(out_dir), tracking_uri=tracking, heartbeat=10, grace=30)
@@ -246,13 +246,13 @@ def _advance_in_process(path: str, url: str, out_dir: str, tracking: str, rounds
 
 def _finish_waiting(url: str, name: str) -> int:
     """Finish every waiting trial as a worker would, with a chosen validation value."""
-    from modbench.study.points import arm_from_params
+    from modbench.design.arm import Arm
 
     study = optuna.load_study(study_name=name, storage=url)
     n = 0
     for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)):
         trial = study.ask()
-        arm = arm_from_params(trial.user_attrs["arm_params"])
+        arm = Arm.from_params(trial.user_attrs["arm_params"])
         value = loss_of(arm, arm.lr_mult)
         trial.set_user_attr("val/causal_bpb", value)
         study.tell(trial, value)
@@ -543,3 +543,48 @@ def test_study_list_and_show_count_what_the_first_stage_queues(tmp_path, capsys)
     assert main(["study", "show", str(path)]) == 0
     out = capsys.readouterr().out
     assert "# ≥ 6 trials: tuning stage; later stages add extensions, confirmation and extra seeds" in out
+
+
+def test_claim_settings_are_preregistered_before_the_first_confirmation_trial_and_amended_only_on_the_record(tmp_path):
+    """Issue "Best against best", item 3: the runner records the claims' settings with the commit when
+    it queues the confirmation stage; a study file that changes them afterwards is refused, or with
+    --amend-claims recorded as an amendment, which the report's summary carries."""
+    from modbench.errors import ModbenchError
+    from modbench.report.claims_report import preregistration, preregistration_lines
+    from modbench.study.points import AMENDMENTS_ATTR, PREREGISTERED_ATTR
+    from modbench.study.runner import Runner
+    from modbench.track.provenance import git_sha
+
+    name = "prereg"
+    claims = '\n[claims.mod_vs_best_dense]\nmargin = 0.05\n'
+    path = write_study(tmp_path, name, extra=claims)
+    url, tracking = f"sqlite:///{tmp_path}/optuna.db", f"sqlite:///{tmp_path}/mlflow.db"
+    runner = Runner(load_study(path), url, tmp_path, tracking_uri=tracking, heartbeat=10, grace=30)
+    assert PREREGISTERED_ATTR not in runner.optuna.user_attrs  # tuning: nothing is fixed yet
+    for _ in range(10):  # tune, extend, optimum: finish each stage's trials, then plan the next
+        _finish_waiting(url, name)
+        runner._advance(runner.optuna)
+        stages = [h["stage"] for h in optuna.load_study(study_name=name, storage=url).user_attrs.get("stages", [])]
+        if "confirm" in stages:
+            break
+    study = optuna.load_study(study_name=name, storage=url)
+    record = study.user_attrs[PREREGISTERED_ATTR]
+    assert record["claims"]["mod_vs_best_dense"]["margin"] == 0.05 and record["commit"] == git_sha()
+    confirm = [t for t in study.trials if t.user_attrs.get("stage") == "confirm"]
+    assert confirm and all(t.datetime_start is None for t in confirm)  # recorded before any confirmation trial ran
+
+    path.write_text(path.read_text().replace("margin = 0.05", "margin = 0.2"))
+    with pytest.raises(ModbenchError, match=r"pre-registered at commit .*--amend-claims"):
+        Runner(load_study(path), url, tmp_path, tracking_uri=tracking, heartbeat=10, grace=30)
+    assert AMENDMENTS_ATTR not in optuna.load_study(study_name=name, storage=url).user_attrs
+    Runner(load_study(path), url, tmp_path, tracking_uri=tracking, heartbeat=10, grace=30, amend_claims=True)
+    attrs = optuna.load_study(study_name=name, storage=url).user_attrs
+    amended = attrs[AMENDMENTS_ATTR]
+    assert len(amended) == 1 and amended[0]["changed"] == ["mod_vs_best_dense"]
+    assert amended[0]["claims"]["mod_vs_best_dense"]["margin"] == 0.2
+    # The same file again is no new amendment; the report says what changed and when.
+    Runner(load_study(path), url, tmp_path, tracking_uri=tracking, heartbeat=10, grace=30)
+    registration = preregistration(dict(optuna.load_study(study_name=name, storage=url).user_attrs))
+    assert len(registration["amendments"]) == 1
+    text = " ".join(preregistration_lines(registration))
+    assert "amended after that" in text and "mod_vs_best_dense" in text and record["commit"][:12] in text

@@ -140,7 +140,7 @@ def test_imports_without_optuna_mlflow_sqlalchemy_statsmodels():
     code = BLOCKER + f"""
 import modbench.study.workers_probe as probe
 # what the probe imports lazily: the parent's study loading, the workers' training
-import modbench.config.study, modbench.model.sizing, modbench.run.train
+import modbench.design.study_file, modbench.design.controls, modbench.model.sizing, modbench.run.train
 for name in {ABSENT!r}:
     try:
         __import__(name)

@@ -9,19 +9,23 @@ token-choice router: each token's recursion depth chosen up front), ``token_choi
 ``mode_staged`` (MoD with a mixture-of-experts MLP), ``mode_integrated`` (a no-op expert among the
 experts), ``amod`` (A-MoD's attention routing). Every fixed-count routed variant also answers to
 "<name>+aux" (``decode_aliases``): the same training, decoded by Raposo et al. 2024 (arXiv:2404.02258)
-§3.5's auxiliary predictor. Add your own with ``@register_variant`` (see README).
+§3.5's auxiliary predictor. Add your own with ``@register_variant`` (docs/variants.md).
 """
 
-from .base import (BudgetController, Provenance, QuantileThreshold, Router, Routing, RunningMean, StepMean, VariantConfig,
-                   linear_ramp, topk_membership)
+from .base import (BudgetController, Mixing, Provenance, QuantileThreshold, Router, Routing, RunningMean, StepMean,
+                   VariantConfig, linear_ramp, topk_membership)
 from .registry import (
     AUX_SUFFIX,
     ENTRY_POINT_GROUP,
+    ROLES,
     VariantSpec,
+    baseline_variant,
     build_router,
     decode_aliases,
     get_variant,
+    is_baseline,
     list_variants,
+    random_controls,
     register_variant,
 )
 
@@ -33,7 +37,9 @@ __all__ = [
     "AUX_SUFFIX",
     "BudgetController",
     "ENTRY_POINT_GROUP",
+    "Mixing",
     "Provenance",
+    "ROLES",
     "QuantileThreshold",
     "Router",
     "Routing",
@@ -41,11 +47,14 @@ __all__ = [
     "StepMean",
     "VariantConfig",
     "VariantSpec",
+    "baseline_variant",
     "build_router",
     "decode_aliases",
     "get_variant",
+    "is_baseline",
     "linear_ramp",
     "list_variants",
+    "random_controls",
     "register_variant",
     "topk_membership",
 ]

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import Provenance, QuantileThreshold, Router, Routing
+from .base import Mixing, Provenance, QuantileThreshold, Router, Routing
 from .norm import NormConfig
 from .registry import register_variant
 
@@ -63,6 +63,7 @@ def _summary(previous: object):
 
 class AmodRouter(Router):
     scope = "block"
+    mixing = Mixing(weight="none")  # x + Δ
     reads_attention = True
 
     def __init__(self, config: AmodConfig) -> None:

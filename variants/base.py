@@ -1,7 +1,7 @@
 """The contract between the model and a routing variant.
 
 A variant decides *which* tokens a routed layer processes and *how* the block's output is
-mixed back; the model (``modbench.model.gpt.RoutedBlock``) executes. Expert-choice routing as in
+mixed back (its declared ``Mixing`` policy); the model (``modbench.model.gpt.RoutedBlock``) executes. Expert-choice routing as in
 Raposo et al. 2024 (arXiv:2404.02258, §3.3): each routed layer keeps the top-k tokens of a
 per-token score, k = capacity · T, and the selected positions are sorted ascending so that a
 causal mask on the gathered subset is exact.
@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .linear_router import AuxPredictor, LinearScorer  # linear_router imports nothing from here
+
 Scope = Literal["block", "mlp", "none"]
+WeightScope = Literal["block", "mlp", "none"]
+SkipRule = Literal["keep", "scale"]
+WEIGHT_SCOPES = ("block", "mlp", "none")
+SKIP_RULES = ("keep", "scale")
 
 # Where a part of a variant comes from (``Provenance``).
 ORIGINS = ("paper", "paper's recipe", "modbench's own")
@@ -70,12 +76,114 @@ class VariantConfig:
         return [f.name for f in fields(cls)]
 
 
+# --- the checks a config's ``__post_init__`` makes, each with its one message ---------------------
+def check_nonnegative(config: VariantConfig, *names: str) -> None:
+    """Each named option is >= 0 (a loss weight, a count): "<name> must be >= 0, got <value>"."""
+    for name in names:
+        if getattr(config, name) < 0:
+            raise ValueError(f"{name} must be >= 0, got {getattr(config, name)}")
+
+
+def check_interval(config: VariantConfig, name: str, interval: str, why: str = "") -> None:
+    """The option lies in ``interval``, written as the message writes it: "(0, 1]", "[1, 64]" (a NaN
+    lies in none): "<name> must be in <interval><why>, got <value>"."""
+    value = getattr(config, name)
+    low, high = (float(bound) for bound in interval[1:-1].split(","))
+    above = value > low if interval[0] == "(" else value >= low
+    below = value < high if interval[-1] == ")" else value <= high
+    if not (above and below):
+        raise ValueError(f"{name} must be in {interval}{why}, got {value}")
+
+
+def check_choice(config: VariantConfig, name: str, choices: tuple[str, ...]) -> None:
+    """The option is one of ``choices``: "<name> must be one of 'a', 'b', got <value>"."""
+    value = getattr(config, name)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Mixing:
+    """How a routed block combines its output with the residual stream: a router's declared policy
+    (``Router.mixing``), applied by one method, ``modbench.model.gpt.RoutedBlock.mix``, on every path
+    (the top-k forward, the causal routing mode, KV-cached decoding). A new way of mixing is a new
+    policy (or a new field here, with its case in ``RoutedBlock.mix``), not a branch in the forward.
+
+    With Δ what the routed layer computes (attention + MLP; the MLP alone for scope "mlp") and w the
+    router's weight (``mix_weight`` in top-k, ``causal_weight`` causally; a policy that expects one
+    still adds unweighted where the router gives None):
+
+    weight:  what w multiplies. "block": Δ, a processed token becomes x + w·Δ (Raposo et al. 2024);
+             "mlp": the MLP output alone, x + attn + w·mlp (p-MoD's released code; scope "block"
+             only); "none": nothing, x + Δ (the router gives no weight).
+    output:  w multiplies the block's *output* x + Δ instead of Δ: x + w·(x + Δ) (``mor``'s
+             update="output", the Mixture-of-Recursions code's scatter_add of g·block(x)). Needs
+             weight "block".
+    handoff: the routing hands over each processed token's base b and weight: b + w·(x + Δ)
+             (``mor_token_choice``: ``Routing.base`` in top-k; causally the router's ``assign_causal``
+             returns them with the decision, and the next routed layer receives that handoff as
+             ``previous``). Needs output.
+    skip:    what a skipped token becomes. "keep": x, bit for bit; "scale": s·x, s from the router's
+             ``skip_scale_of`` (p-MoD's STRing). Not with a handoff, nor with a variable count.
+
+    A variable count's unused slots (``Routing.valid``) add nothing under every policy: no Δ, and
+    no w·x where the output is weighted; an unused slot under a handoff keeps its row's x.
+    """
+
+    weight: WeightScope = "block"
+    output: bool = False
+    handoff: bool = False
+    skip: SkipRule = "keep"
+
+    def __post_init__(self) -> None:
+        if self.weight not in WEIGHT_SCOPES:
+            raise ValueError(f"mixing weight must be one of {', '.join(map(repr, WEIGHT_SCOPES))}, got {self.weight!r}")
+        if self.skip not in SKIP_RULES:
+            raise ValueError(f"mixing skip must be one of {', '.join(map(repr, SKIP_RULES))}, got {self.skip!r}")
+        for name in ("output", "handoff"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"mixing {name} must be True or False, got {getattr(self, name)!r}")
+        if self.output and self.weight != "block":
+            raise ValueError(f"mixing output=True weights the block's output x + Δ: it needs weight='block', "
+                             f"got weight={self.weight!r}")
+        if self.handoff and not self.output:
+            raise ValueError("mixing handoff=True makes a processed token base + w·(x + Δ): it needs output=True")
+        if self.handoff and self.skip != "keep":
+            raise ValueError("mixing handoff=True writes its processed tokens whole and keeps the skipped ones: "
+                             f"skip must be 'keep', got {self.skip!r}")
+
+    def check(self, scope: str, variable_count: bool) -> Mixing:
+        """This policy, for a router of ``scope`` and count kind; a combination the block cannot
+        apply is a ValueError (a variant's error, found when its routed layer is built)."""
+        if scope == "mlp" and self.weight == "mlp":
+            raise ValueError("mixing weight='mlp' weights the MLP output inside the block: a scope 'mlp' router "
+                             "routes the MLP alone, so its weight is weight='block'")
+        if variable_count and self.skip != "keep":
+            raise ValueError(f"mixing skip={self.skip!r} rewrites every skipped row from the routing's per-token "
+                             "scale, which only a fixed count gives: a variable-count router's skip must be 'keep'")
+        return self
+
+    @property
+    def formula(self) -> tuple[str, str]:
+        """(processed, skipped): what a token becomes, in the notation above."""
+        if self.weight == "mlp":
+            processed = "x + attn + w·mlp"
+        elif self.weight == "none":
+            processed = "x + Δ"
+        elif self.output:
+            processed = f"{'b' if self.handoff else 'x'} + w·(x + Δ)"
+        else:
+            processed = "x + w·Δ"
+        return processed, "s·x" if self.skip == "scale" else "x"
+
+
 @dataclass(frozen=True)
 class Routing:
     """One routed layer's decision for a batch.
 
     index:      (B, k) int64 positions to process, ascending (keeps causality).
-    weight:     (B, k, 1) multiplier on the block's delta, or None for an unweighted add.
+    weight:     (B, k, 1) the router's weight w, or None (an unweighted add); what it multiplies is
+                the router's ``Mixing``.
     aux_losses: unweighted auxiliary losses by name (weights come from the variant config
                 through ``Router.aux_weights``, so every variant adds them the same way).
     stats:      detached statistics for logging; empty unless the model asked for them.
@@ -89,10 +197,10 @@ class Routing:
     aux_losses: dict[str, Tensor]
     stats: dict[str, Tensor]
     valid: Tensor | None = None
-    skip_scale: Tensor | None = None  # (B, T) multiplier on skipped tokens' residual (p-MoD's STRing), fixed k only
-    # A router that chooses each token's depth up front (``mor_token_choice``): per slot, what a processed
-    # token's w·(x + Δ) is added to instead of x ((B, k, d)), and what the next routed layer receives as
-    # ``previous`` instead of the processed mask (its ``DepthAssignment``).
+    skip_scale: Tensor | None = None  # (B, T) s of skipped tokens, s·x: with ``Mixing(skip="scale")`` (p-MoD's STRing)
+    # With ``Mixing(handoff=True)`` (``mor_token_choice``): per slot, what a processed token's w·(x + Δ) is
+    # added to instead of x ((B, k, d)), and what the next routed layer receives as ``previous`` instead of
+    # the processed mask (its ``DepthAssignment``).
     base: Tensor | None = None
     handoff: Any = None
 
@@ -241,9 +349,13 @@ class Router(nn.Module):
     """Base class of all routers.
 
     Subclasses set ``scope`` and implement ``score`` (a (B, T) tensor whose top-k is the
-    selection) and ``decide_causal``; they may override ``mix_weight`` (how the delta is
-    weighted), ``causal_weight`` (the weight when routing causally), ``aux_losses`` and
-    ``observe`` (per-forward bookkeeping such as calibration).
+    selection) and ``decide_causal``; they declare ``mixing`` (a ``Mixing``: how the block's
+    output meets the residual stream) and may override the hooks below it: ``mix_weight`` (the
+    weight w in top-k), ``causal_weight`` (w when routing causally), ``skip_scale_of`` (s of a
+    ``Mixing(skip="scale")``), ``assign_causal`` (the decision and handoff of a
+    ``Mixing(handoff=True)``), ``decide_causal_given``, ``aux_losses``, ``aux_weights``,
+    ``observe`` (per-forward bookkeeping such as calibration), ``set_step``, ``attach``,
+    ``tokens_run``, ``flops_per_token``, and ``route`` itself (the top-k template).
     """
 
     scope: ClassVar[Scope] = "block"
@@ -269,13 +381,11 @@ class Router(nn.Module):
     # models by ``modbench.model.sizing.decode_flops_per_token``). True: as the batched training
     # forward runs it (a variable-count router's k_max slots, what ``FlopCounterMode`` sees).
     count_batched_slots: bool = True
-    # What the router's weight multiplies on a processed token: "block", the whole delta (attention
-    # + MLP, Raposo et al.), or "mlp", the MLP output alone (x + attn + w·mlp; p-MoD's released code).
-    # Only a weight elementwise in the token's own score can be "mlp" (the causal paths recompute it
-    # from the token's state inside the block; see ``RoutedBlock.routed_delta``).
-    weight_scope: Literal["block", "mlp"] = "block"
-    # True: the weight multiplies the block's output x + Δ, not its delta (``mor``'s update="output").
-    weights_block_output: bool = False
+    # How the routed block's output meets the residual stream (``Mixing``): x + w·Δ by default; a router
+    # declares its own, on the class or (when its config decides) in ``__init__``. Weight "mlp" only for a
+    # weight elementwise in the token's own score (the causal paths recompute it from the token's state
+    # inside the block; see ``RoutedBlock.routed_delta``).
+    mixing: Mixing = Mixing()
 
     def __init__(self, config: VariantConfig) -> None:
         super().__init__()
@@ -327,18 +437,17 @@ class Router(nn.Module):
         that layer's ``modbench.model.gpt.AttentionSummary``."""
         return self.decide_causal(x)
 
-    def skip_scale(self, x: Tensor) -> Tensor | None:
-        """(B, T) multiplier on the residual stream of tokens this layer skips, or None (skipped
-        tokens pass through bit-identical). Only p-MoD's STRing scales them."""
-        if type(self).skip_scale_of is Router.skip_scale_of:
-            # No scaling: skip the score (causal mode and every KV-cached decode step call this per
-            # routed layer; the random control's score would also draw from the global RNG).
-            return None
-        return self.skip_scale_of(self.score(x))
+    def skip_scale_of(self, scores: Tensor) -> Tensor:
+        """(B, T) s, the multiplier on skipped tokens' residual stream, from this layer's scores: the
+        hook of a ``Mixing(skip="scale")`` (p-MoD's STRing), called only under that policy."""
+        raise NotImplementedError(f"{type(self).__name__} declares Mixing(skip='scale') but implements no skip_scale_of")
 
-    def skip_scale_of(self, scores: Tensor) -> Tensor | None:
-        """:meth:`skip_scale` from scores already computed (the top-k forward reuses its own)."""
-        return None
+    def assign_causal(self, x: Tensor, previous: object) -> tuple[Tensor, Any]:
+        """(decide, handoff) of a ``Mixing(handoff=True)``, called by ``RoutedBlock.decide`` instead of
+        ``decide_causal_given``: the (B, T) decision and what the block mixes with and the next routed
+        layer receives as ``previous`` (``weight`` (B, T) and ``base`` (B, T, d); ``mor_token_choice``'s
+        ``DepthAssignment``)."""
+        raise NotImplementedError(f"{type(self).__name__} declares Mixing(handoff=True) but implements no assign_causal")
 
     def tokens_run(self, k: int, seq_len: int) -> int:
         """How many tokens the routed block runs for a nominal k (the static slot count; a
@@ -370,6 +479,13 @@ class Router(nn.Module):
         """(forward, backward) FLOPs per token of scoring, incl. auxiliary predictors."""
         return 0.0, 0.0
 
+    # --- not hooks: views of ``mixing`` ------------------------------------------------------
+    def skip_scale(self, x: Tensor) -> Tensor | None:
+        """(B, T) s of the tokens this layer skips (``skip_scale_of`` of their scores), or None when the
+        policy keeps them (bit-identical): then no score is computed (causal mode and every KV-cached
+        decode step ask per routed layer; the random control's score would draw from the global RNG)."""
+        return self.skip_scale_of(self.score(x)) if self.mixing.skip == "scale" else None
+
     # --- decoding by an auxiliary predictor (the "+aux" aliases) --------------------------
     def enable_aux_decoding(self, d_model: int, hidden: int, weight: float) -> None:
         """Decode with Raposo et al. 2024 (arXiv:2404.02258) §3.5's second method: a small MLP on the
@@ -390,8 +506,6 @@ class Router(nn.Module):
         and it is initialised from a stream of its own (seeded from the global RNG under
         ``fork_rng``), so a model built with it draws exactly the base variant's initial weights under
         the same seed."""
-        from .linear_router import AuxPredictor  # linear_router imports nothing from here; keeps base first
-
         # Nesting routers (nested, mor) AND their own rule with the previous layer's bool decision;
         # routers reading attention (amod) get an AttentionSummary there instead, which is no decision.
         self._aux_nests = type(self).decide_causal_given is not Router.decide_causal_given and not self.reads_attention
@@ -454,7 +568,8 @@ class Router(nn.Module):
         stats = self.routing_stats(scores, index) if self.collect_stats else {}
         if self.collect_stats and self.collect_causal:
             stats["causal_decide"] = self.decide_causal_given(x, previous)
-        return Routing(index=index, weight=weight, aux_losses=aux, stats=stats, skip_scale=self.skip_scale_of(scores))
+        skip_scale = self.skip_scale_of(scores) if self.mixing.skip == "scale" else None
+        return Routing(index=index, weight=weight, aux_losses=aux, stats=stats, skip_scale=skip_scale)
 
     @torch.no_grad()
     def routing_stats(self, scores: Tensor, index: Tensor, n_buckets: int = 8) -> dict[str, Tensor]:
@@ -473,6 +588,57 @@ class Router(nn.Module):
             "score_std": s.std(),
             "position_hist": hist,
         }
+
+
+class LinearRouter(Router):
+    """A router whose score is one linear logit per token, r = w·x + b (``LinearScorer``, as ``scorer``).
+
+    The scorer is the router's first module, built right after ``Router.__init__``: a subclass
+    builds its own modules after it (its ``__init__`` calls this one first), so the order of the
+    initialisation draws is scorer first, then the subclass's, and so are the state_dict keys."""
+
+    def __init__(self, d_model: int, config: VariantConfig) -> None:
+        super().__init__(config)
+        self.scorer = LinearScorer(d_model)
+
+    def score(self, x: Tensor) -> Tensor:
+        return self.scorer(x)
+
+    def flops_per_token(self, d_model: int) -> tuple[float, float]:
+        return LinearScorer.flops(d_model)
+
+
+# --- causal rules several variants share ---------------------------------------------------
+class PositiveScoreRule(Router):
+    """The causal rule "process iff the score is > 0", taught by Raposo et al. 2024 (arXiv:2404.02258)
+    §3.5's first method: an auxiliary BCE of the scores against top-k membership ("router_bce",
+    weight ``config.aux_weight``; 0 turns it off), so that the score is positive exactly for the
+    top-k members. For a router whose ``score`` is that logit and whose config has ``aux_weight``."""
+
+    def aux_losses(self, x: Tensor, scores: Tensor, index: Tensor) -> dict[str, Tensor]:
+        if self.config.aux_weight == 0:
+            return {}
+        return {"router_bce": F.binary_cross_entropy_with_logits(scores, topk_membership(scores, index))}
+
+    def aux_weights(self, step: int) -> dict[str, float]:
+        return {"router_bce": self.config.aux_weight}
+
+    def decide_causal(self, x: Tensor) -> Tensor:
+        return self.score(x) > 0
+
+
+class QuantileRule(Router):
+    """The causal rule "process iff the score is >= the running per-sequence k-th largest score of
+    the training forwards" (``QuantileThreshold``, which the router builds as ``self.threshold``,
+    where it belongs in its initialisation order): about C of the tokens, from the token's own score."""
+
+    threshold: QuantileThreshold
+
+    def observe(self, scores: Tensor, topk_values: Tensor) -> None:
+        self.threshold.update(topk_values.amin(-1))
+
+    def decide_causal(self, x: Tensor) -> Tensor:
+        return self.threshold(self.score(x))
 
 
 def topk_membership(scores: Tensor, index: Tensor) -> Tensor:

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Provenance, QuantileThreshold, Router, Routing, VariantConfig
+from .base import Mixing, Provenance, QuantileThreshold, Router, Routing, VariantConfig
 from .linear_router import LinearScorer
 from .registry import register_variant
 
@@ -52,6 +52,7 @@ class DenseRouter(Router):
     """Marks layers as unrouted; the model never calls it."""
 
     scope = "none"
+    mixing = Mixing(weight="none")
 
     def score(self, x: Tensor) -> Tensor:
         return torch.ones(x.shape[:-1], device=x.device, dtype=x.dtype)
@@ -60,7 +61,7 @@ class DenseRouter(Router):
         return torch.ones(x.shape[:-1], device=x.device, dtype=torch.bool)
 
 
-@register_variant("dense", config=DenseConfig, source="baseline (Vaswani et al. 2017; no routing)")
+@register_variant("dense", config=DenseConfig, source="baseline (Vaswani et al. 2017; no routing)", role="baseline")
 def build_dense(d_model: int, config: DenseConfig) -> DenseRouter:
     """The dense baseline: every token through every layer."""
     return DenseRouter(config)
@@ -73,6 +74,7 @@ class RandomConfig(VariantConfig):
 
 class RandomRouter(Router):
     scope = "block"
+    mixing = Mixing(weight="none")  # x + Δ
     DIRECTION_SEED = 20240402  # the causal rule's hyperplane; fixed, independent of the run seed
 
     def __init__(self, config: RandomConfig, d_model: int) -> None:
@@ -105,7 +107,7 @@ class RandomRouter(Router):
         return z >= tau
 
 
-@register_variant("random", config=RandomConfig, source="control (uniform random top-k)",
+@register_variant("random", config=RandomConfig, source="control (uniform random top-k)", role="control", control_of="norm",
                   provenance=Provenance("modbench's own", "modbench's own", "modbench's own"))
 def build_random(d_model: int, config: RandomConfig) -> RandomRouter:
     """Control: k uniformly random tokens per routed layer, unweighted."""
@@ -114,6 +116,8 @@ def build_random(d_model: int, config: RandomConfig) -> RandomRouter:
 
 class RandomGatedRouter(RandomRouter):
     """Random selection; the delta of a selected token is weighted by sigmoid(w·x)."""
+
+    mixing = Mixing(weight="block")  # x + sigmoid(w·x)·Δ
 
     def __init__(self, config: RandomConfig, d_model: int) -> None:
         super().__init__(config, d_model)
@@ -135,7 +139,7 @@ class RandomMlpRouter(RandomGatedRouter):
     scope = "mlp"
 
 
-@register_variant("random_gated", config=RandomConfig,
+@register_variant("random_gated", config=RandomConfig, role="control", control_of="sigmoid",
                   source="control: random top-k with sigmoid's learned gate (Raposo et al. 2024 §3.4)",
                   provenance=Provenance("modbench's own", "modbench's own", "modbench's own"))
 def build_random_gated(d_model: int, config: RandomConfig) -> RandomGatedRouter:
@@ -144,6 +148,7 @@ def build_random_gated(d_model: int, config: RandomConfig) -> RandomGatedRouter:
 
 
 @register_variant("random_mlp", config=RandomConfig, source="control: random top-k at MLP scope, learned gate",
+                  role="control", control_of="mlp_skip",
                   provenance=Provenance("modbench's own", "modbench's own", "modbench's own"))
 def build_random_mlp(d_model: int, config: RandomConfig) -> RandomMlpRouter:
     """Control of ``mlp_skip``: attention on all tokens, the MLP on k random ones, gated."""

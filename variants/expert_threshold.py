@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .base import Provenance, StepMean, VariantConfig
+from .base import Provenance, StepMean, VariantConfig, check_interval
 from .registry import register_variant
 from .token_choice import VariableCountRouter, check_controller
 
@@ -67,10 +67,8 @@ class ExpertThresholdConfig(VariantConfig):
     controller_gain: float = 4.0
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.momentum <= 1.0:
-            raise ValueError(f"momentum must be in (0, 1], got {self.momentum}")
-        if not 1.0 <= self.slack <= 64:
-            raise ValueError(f"slack must be in [1, 64], got {self.slack}")
+        check_interval(self, "momentum", "(0, 1]")
+        check_interval(self, "slack", "[1, 64]")
         check_controller(self.controller_gain)
 
 
@@ -103,6 +101,8 @@ class ExpertThreshold(nn.Module):
 
 
 class ExpertThresholdRouter(VariableCountRouter):
+    """Process iff r >= θ (EMA of the capacity quantile of r), train and decode alike; delta × sigmoid(r − θ)."""
+
     def __init__(self, d_model: int, config: ExpertThresholdConfig) -> None:
         super().__init__(d_model, config)
         self.theta = ExpertThreshold(config.momentum)
@@ -136,14 +136,11 @@ class ExpertThresholdRouter(VariableCountRouter):
         return {}  # none: θ holds the share
 
 
-@register_variant("expert_threshold", config=ExpertThresholdConfig,
-                  source="Expert-Threshold routing (arXiv:2603.11535)",
-                  # The abstract's rule (EMA threshold from the global token distribution, the same rule in
-                  # training and inference, no auxiliary loss) read in the paper's own words; its method
-                  # section (the EMA, the score, the gate weight) was not available to check.
-                  provenance=Provenance("paper's recipe", "modbench's own", "paper",
-                                        (("Expert-Threshold routing (arXiv:2603.11535) abstract", "paper's text"),
-                                         ("Expert-Threshold routing (arXiv:2603.11535) method section", "secondary"))))
-def build_expert_threshold(d_model: int, config: ExpertThresholdConfig) -> ExpertThresholdRouter:
-    """Process iff r >= θ (EMA of the capacity quantile of r), train and decode alike; delta × sigmoid(r − θ)."""
-    return ExpertThresholdRouter(d_model, config)
+register_variant("expert_threshold", ExpertThresholdRouter, config=ExpertThresholdConfig,
+                 source="Expert-Threshold routing (arXiv:2603.11535)",
+                 # The abstract's rule (EMA threshold from the global token distribution, the same rule in
+                 # training and inference, no auxiliary loss) read in the paper's own words; its method
+                 # section (the EMA, the score, the gate weight) was not available to check.
+                 provenance=Provenance("paper's recipe", "modbench's own", "paper",
+                                       (("Expert-Threshold routing (arXiv:2603.11535) abstract", "paper's text"),
+                                        ("Expert-Threshold routing (arXiv:2603.11535) method section", "secondary"))))

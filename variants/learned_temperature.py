@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .base import Provenance, QuantileThreshold, Router, VariantConfig, linear_ramp
-from .linear_router import LinearScorer
+from .base import LinearRouter, Provenance, QuantileRule, QuantileThreshold, VariantConfig, linear_ramp
 from .registry import register_variant
 
 
@@ -49,12 +48,15 @@ class LearnedTemperatureConfig(VariantConfig):
             raise ValueError("entropy_weight, balance_weight and aux_warmup_steps must be >= 0")
 
 
-class LearnedTemperatureRouter(Router):
+class LearnedTemperatureRouter(QuantileRule, LinearRouter):
+    """Linear router; delta × sigmoid(r/τ), τ learned in (0.1, 5) via a sigmoid; entropy + balance losses.
+
+    The score is r itself (top-k of r is top-k of sigmoid(r/τ), τ > 0); the causal rule is ``QuantileRule``'s."""
+
     scope = "block"
 
     def __init__(self, d_model: int, config: LearnedTemperatureConfig) -> None:
-        super().__init__(config)
-        self.scorer = LinearScorer(d_model)
+        super().__init__(d_model, config)
         self.temperature_logit = nn.Parameter(torch.tensor(self.logit_of(config.temperature_init)))
         self.threshold = QuantileThreshold(config.calibration_momentum)
 
@@ -77,10 +79,6 @@ class LearnedTemperatureRouter(Router):
             state_dict[prefix + "temperature_logit"] = torch.tensor(self.logit_of(float(old)), dtype=old.dtype)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def score(self, x: Tensor) -> Tensor:
-        # top-k of r equals top-k of sigmoid(r/τ) since τ > 0; the raw logit is the score.
-        return self.scorer(x)
-
     def mix_weight(self, selected_scores: Tensor, scores: Tensor) -> Tensor:
         return torch.sigmoid(selected_scores / self.tau())
 
@@ -95,20 +93,8 @@ class LearnedTemperatureRouter(Router):
         ramp = linear_ramp(step, self.config.aux_warmup_steps)
         return {"entropy": ramp * self.config.entropy_weight, "balance": ramp * self.config.balance_weight}
 
-    def observe(self, scores: Tensor, topk_values: Tensor) -> None:
-        self.threshold.update(topk_values.amin(-1))
 
-    def decide_causal(self, x: Tensor) -> Tensor:
-        return self.threshold(self.score(x))
-
-    def flops_per_token(self, d_model: int) -> tuple[float, float]:
-        return LinearScorer.flops(d_model)
-
-
-@register_variant("learned_temperature", config=LearnedTemperatureConfig, source="an enwik8 MoD development report (2025, unpublished): v2 router, entropy + balance losses",
-                  # The report's router is soft (no top-k); τ is bounded by a sigmoid here, clamped there.
-                  provenance=Provenance("modbench's own", "paper's recipe", "modbench's own",
-                                        (("unpublished enwik8 MoD report (2025), v2 router", "secondary"),)))
-def build_learned_temperature(d_model: int, config: LearnedTemperatureConfig) -> LearnedTemperatureRouter:
-    """Linear router; delta × sigmoid(r/τ), τ learned in (0.1, 5) via a sigmoid; entropy + balance losses."""
-    return LearnedTemperatureRouter(d_model, config)
+register_variant("learned_temperature", LearnedTemperatureRouter, config=LearnedTemperatureConfig, source="an enwik8 MoD development report (2025, unpublished): v2 router, entropy + balance losses",
+                 # The report's router is soft (no top-k); τ is bounded by a sigmoid here, clamped there.
+                 provenance=Provenance("modbench's own", "paper's recipe", "modbench's own",
+                                       (("unpublished enwik8 MoD report (2025), v2 router", "secondary"),)))

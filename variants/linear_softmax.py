@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import Provenance, Router, RunningMean, VariantConfig, topk_membership
-from .linear_router import AuxPredictor, LinearScorer
+from .base import (LinearRouter, Provenance, RunningMean, VariantConfig, check_interval, check_nonnegative,
+                   topk_membership)
+from .linear_router import AuxPredictor
 from .registry import register_variant
 
 
@@ -37,25 +38,19 @@ class LinearSoftmaxConfig(VariantConfig):
     calibration_momentum: float = 0.01  # EMA rate of the causal weight's normaliser
 
     def __post_init__(self) -> None:
-        if self.aux_hidden < 0:
-            raise ValueError(f"aux_hidden must be >= 0, got {self.aux_hidden}")
-        if self.aux_weight < 0:
-            raise ValueError(f"aux_weight must be >= 0, got {self.aux_weight}")
-        if not 0.0 < self.calibration_momentum <= 1.0:
-            raise ValueError(f"calibration_momentum must be in (0, 1], got {self.calibration_momentum}")
+        check_nonnegative(self, "aux_hidden", "aux_weight")
+        check_interval(self, "calibration_momentum", "(0, 1]")
 
 
-class LinearSoftmaxRouter(Router):
+class LinearSoftmaxRouter(LinearRouter):
+    """Linear router; delta × softmax of the selected logits (non-causal); aux MLP predictor."""
+
     scope = "block"
 
     def __init__(self, d_model: int, config: LinearSoftmaxConfig) -> None:
-        super().__init__(config)
-        self.scorer = LinearScorer(d_model)
+        super().__init__(d_model, config)
         self.aux = AuxPredictor(d_model, config.aux_hidden or max(1, d_model // 2))
         self.log_norm = RunningMean(config.calibration_momentum)  # log Ẑ of the softmax
-
-    def score(self, x: Tensor) -> Tensor:
-        return self.scorer(x)
 
     def mix_weight(self, selected_scores: Tensor, scores: Tensor) -> Tensor:
         return torch.softmax(selected_scores, dim=-1)
@@ -76,16 +71,13 @@ class LinearSoftmaxRouter(Router):
         return torch.exp(self.score(x).float() - self.log_norm.value).clamp(max=1.0)
 
     def flops_per_token(self, d_model: int) -> tuple[float, float]:
-        f, b = LinearScorer.flops(d_model)
+        f, b = super().flops_per_token(d_model)
         af, ab = self.aux.flops(d_model)
         return f + af, b + ab
 
 
-@register_variant("linear_softmax", config=LinearSoftmaxConfig, source="'Mixture of Depth is Vibe' blog (joey00072/ohara): linear router, softmax weights, aux router",
-                  # The blog's code trains the aux router but leaves inference a TODO: deciding by its logit > 0
-                  # and the causal stand-in for the softmax weight are ours.
-                  provenance=Provenance("paper", "paper", "paper's recipe",
-                                        (("joey00072/ohara experiments/mixture_of_depth", "released code"),)))
-def build_linear_softmax(d_model: int, config: LinearSoftmaxConfig) -> LinearSoftmaxRouter:
-    """Linear router; delta × softmax of the selected logits (non-causal); aux MLP predictor."""
-    return LinearSoftmaxRouter(d_model, config)
+register_variant("linear_softmax", LinearSoftmaxRouter, config=LinearSoftmaxConfig, source="'Mixture of Depth is Vibe' blog (joey00072/ohara): linear router, softmax weights, aux router",
+                 # The blog's code trains the aux router but leaves inference a TODO: deciding by its logit > 0
+                 # and the causal stand-in for the softmax weight are ours.
+                 provenance=Provenance("paper", "paper", "paper's recipe",
+                                       (("joey00072/ohara experiments/mixture_of_depth", "released code"),)))

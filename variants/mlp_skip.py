@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import Provenance, QuantileThreshold, Router, VariantConfig
-from .linear_router import LinearScorer
+from .base import LinearRouter, Provenance, QuantileRule, QuantileThreshold, VariantConfig
 from .registry import register_variant
 
 
@@ -25,34 +24,22 @@ class MlpSkipConfig(VariantConfig):
     calibration_momentum: float = 0.01
 
 
-class MlpSkipRouter(Router):
+class MlpSkipRouter(QuantileRule, LinearRouter):
+    """Attention on all tokens; the MLP runs on the top-k only; delta × sigmoid(r).
+
+    The score is r = w·x + b of the MLP's input; the causal rule is ``QuantileRule``'s."""
+
     scope = "mlp"
 
     def __init__(self, d_model: int, config: MlpSkipConfig) -> None:
-        super().__init__(config)
-        self.scorer = LinearScorer(d_model)
+        super().__init__(d_model, config)
         self.threshold = QuantileThreshold(config.calibration_momentum)
-
-    def score(self, x: Tensor) -> Tensor:
-        return self.scorer(x)
 
     def mix_weight(self, selected_scores: Tensor, scores: Tensor) -> Tensor:
         return torch.sigmoid(selected_scores)
 
-    def observe(self, scores: Tensor, topk_values: Tensor) -> None:
-        self.threshold.update(topk_values.amin(-1))
 
-    def decide_causal(self, x: Tensor) -> Tensor:
-        return self.threshold(self.score(x))
-
-    def flops_per_token(self, d_model: int) -> tuple[float, float]:
-        return LinearScorer.flops(d_model)
-
-
-@register_variant("mlp_skip", config=MlpSkipConfig, source="an enwik8 MoD development report (2025, unpublished): v1 AdaptiveBlock, MLP really skipped",
-                  # The report masks the MLP output of every token; here the MLP runs on the top-k only.
-                  provenance=Provenance("paper's recipe", "paper", "modbench's own",
-                                        (("unpublished enwik8 MoD report (2025), v1 AdaptiveBlock", "secondary"),)))
-def build_mlp_skip(d_model: int, config: MlpSkipConfig) -> MlpSkipRouter:
-    """Attention on all tokens; the MLP runs on the top-k only; delta × sigmoid(r)."""
-    return MlpSkipRouter(d_model, config)
+register_variant("mlp_skip", MlpSkipRouter, config=MlpSkipConfig, source="an enwik8 MoD development report (2025, unpublished): v1 AdaptiveBlock, MLP really skipped",
+                 # The report masks the MLP output of every token; here the MLP runs on the top-k only.
+                 provenance=Provenance("paper's recipe", "paper", "modbench's own",
+                                       (("unpublished enwik8 MoD report (2025), v1 AdaptiveBlock", "secondary"),)))

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Provenance, Router, VariantConfig, topk_membership
+from .base import Mixing, PositiveScoreRule, Provenance, VariantConfig, check_interval, check_nonnegative
 from .registry import register_variant
 from .sigmoid import SigmoidConfig, SigmoidRouter
 
@@ -30,13 +29,13 @@ class ModeConfig(SigmoidConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not 2 <= self.experts <= 64:
-            raise ValueError(f"experts must be in [2, 64], got {self.experts}")
-        if self.balance_weight < 0:
-            raise ValueError(f"balance_weight must be >= 0, got {self.balance_weight}")
+        check_interval(self, "experts", "[2, 64]")
+        check_nonnegative(self, "balance_weight")
 
 
 class ModeStagedRouter(SigmoidRouter):
+    """MoD routing (sigmoid), then a top-1 mixture of expert MLPs on the processed tokens."""
+
     def __init__(self, d_model: int, config: ModeConfig) -> None:
         super().__init__(d_model, config)
         self.mlp_experts = config.experts
@@ -45,15 +44,12 @@ class ModeStagedRouter(SigmoidRouter):
         return {**super().aux_weights(step), "expert_balance": self.config.balance_weight}
 
 
-@register_variant("mode_staged", config=ModeConfig,
-                  source="Raposo et al. 2024 §4.3, Mixture-of-Depths-and-Experts (staged), arXiv:2404.02258",
-                  # The paper gives no equations for MoDE: the Switch-style top-1 mixture and its balance loss are ours.
-                  provenance=Provenance("paper's recipe", "paper's recipe", "paper's recipe",
-                                        (("Raposo et al. 2024 §4.3 / Figure 7", "secondary"),
-                                         ("Switch Transformer (arXiv:2101.03961) §2.1-2.2", "secondary"))))
-def build_mode_staged(d_model: int, config: ModeConfig) -> ModeStagedRouter:
-    """MoD routing (sigmoid), then a top-1 mixture of expert MLPs on the processed tokens."""
-    return ModeStagedRouter(d_model, config)
+register_variant("mode_staged", ModeStagedRouter, config=ModeConfig,
+                 source="Raposo et al. 2024 §4.3, Mixture-of-Depths-and-Experts (staged), arXiv:2404.02258",
+                 # The paper gives no equations for MoDE: the Switch-style top-1 mixture and its balance loss are ours.
+                 provenance=Provenance("paper's recipe", "paper's recipe", "paper's recipe",
+                                       (("Raposo et al. 2024 §4.3 / Figure 7", "secondary"),
+                                        ("Switch Transformer (arXiv:2101.03961) §2.1-2.2", "secondary"))))
 
 
 # --- integrated MoDE -----------------------------------------------------------------------------
@@ -64,16 +60,14 @@ class ModeIntegratedConfig(VariantConfig):
     balance_weight: float = 0.01  # weight of the real experts' load-balancing loss
 
     def __post_init__(self) -> None:
-        if not 2 <= self.experts <= 64:
-            raise ValueError(f"experts must be in [2, 64], got {self.experts}")
-        if self.aux_weight < 0:
-            raise ValueError(f"aux_weight must be >= 0, got {self.aux_weight}")
-        if self.balance_weight < 0:
-            raise ValueError(f"balance_weight must be >= 0, got {self.balance_weight}")
+        check_interval(self, "experts", "[2, 64]")
+        check_nonnegative(self, "aux_weight", "balance_weight")
 
 
-class ModeIntegratedRouter(Router):
-    """``mode_integrated``: Mixture-of-Depths-and-Experts, integrated (Raposo et al. 2024,
+class ModeIntegratedRouter(PositiveScoreRule):
+    """One softmax over E expert MLPs + a no-op: top-k tokens by the experts' margin over the no-op run their top-1 expert.
+
+    ``mode_integrated``: Mixture-of-Depths-and-Experts, integrated (Raposo et al. 2024,
     arXiv:2404.02258, §4.3 "Mixture-of-Depths-and-Experts (MoDE)" and Figure 7, its integrated panel).
 
     What the paper describes (§4.3 text and Figure 7; it gives no equations for MoDE): *integrated*
@@ -100,8 +94,8 @@ class ModeIntegratedRouter(Router):
       gradient to the no-op logit); the other tokens keep x + attention bit for bit.
     - Causal rule at decode time: m > 0, i.e. the token's argmax is a real expert, not the no-op —
       the integrated-MoDE decision itself. Top-k and the rule use the same m, and the auxiliary
-      BCE(m, top-k membership) (``sigmoid``'s recipe, on the scores themselves, Raposo et al. §3.5
-      method 1) teaches m > 0 exactly for the top-k members.
+      BCE(m, top-k membership) (``sigmoid``'s recipe, ``PositiveScoreRule``: on the scores themselves,
+      Raposo et al. §3.5 method 1) teaches m > 0 exactly for the top-k members.
     - Switch load balancing over the real experts, on the processed tokens (``TopOneMoE``'s loss,
       the probabilities renormalised over the real experts so that it cannot be lowered by
       shifting mass onto the no-op).
@@ -121,6 +115,7 @@ class ModeIntegratedRouter(Router):
     """
 
     scope = "mlp"
+    mixing = Mixing(weight="none")  # x + Δ: the mixture weights its own output by p_e*
     mlp_noop_expert = True
 
     def __init__(self, d_model: int, config: ModeIntegratedConfig) -> None:
@@ -145,16 +140,8 @@ class ModeIntegratedRouter(Router):
         l = self.logits(x)
         return l[..., :-1].amax(-1) - l[..., -1]
 
-    def aux_losses(self, x: Tensor, scores: Tensor, index: Tensor) -> dict[str, Tensor]:
-        if self.config.aux_weight == 0:
-            return {}
-        return {"router_bce": F.binary_cross_entropy_with_logits(scores, topk_membership(scores, index))}
-
     def aux_weights(self, step: int) -> dict[str, float]:
-        return {"router_bce": self.config.aux_weight, "expert_balance": self.config.balance_weight}
-
-    def decide_causal(self, x: Tensor) -> Tensor:
-        return self.score(x) > 0
+        return {**super().aux_weights(step), "expert_balance": self.config.balance_weight}
 
     def flops_per_token(self, d_model: int) -> tuple[float, float]:
         out = self.config.experts + 1
@@ -163,10 +150,7 @@ class ModeIntegratedRouter(Router):
         return 2.0 * d_model * out, (4.0 * d_model * out if self.config.aux_weight > 0 else 0.0)
 
 
-@register_variant("mode_integrated", config=ModeIntegratedConfig,
-                  source="Raposo et al. 2024 §4.3 / Figure 7, Mixture-of-Depths-and-Experts (integrated), arXiv:2404.02258",
-                  provenance=Provenance("paper's recipe", "paper's recipe", "paper's recipe",
-                                        (("Raposo et al. 2024 §4.3 / Figure 7", "secondary"),)))
-def build_mode_integrated(d_model: int, config: ModeIntegratedConfig) -> ModeIntegratedRouter:
-    """One softmax over E expert MLPs + a no-op: top-k tokens by the experts' margin over the no-op run their top-1 expert."""
-    return ModeIntegratedRouter(d_model, config)
+register_variant("mode_integrated", ModeIntegratedRouter, config=ModeIntegratedConfig,
+                 source="Raposo et al. 2024 §4.3 / Figure 7, Mixture-of-Depths-and-Experts (integrated), arXiv:2404.02258",
+                 provenance=Provenance("paper's recipe", "paper's recipe", "paper's recipe",
+                                       (("Raposo et al. 2024 §4.3 / Figure 7", "secondary"),)))

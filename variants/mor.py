@@ -41,7 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Provenance, Router, Routing, VariantConfig, topk_membership
+from .base import (LinearRouter, Mixing, Provenance, Routing, VariantConfig, check_choice, check_interval,
+                   check_nonnegative, topk_membership)
 from .linear_router import LinearScorer
 from .registry import register_variant
 
@@ -60,29 +61,24 @@ class MorConfig(VariantConfig):
     sampling: str = "aux_loss"  # decode-time predictor: 'aux_loss' (BCE on r) or 'aux_router' (a detached router)
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.alpha <= 10.0:
-            raise ValueError(f"alpha must be in (0, 10], got {self.alpha}")
-        if not 0.0 < self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in (0, 100], got {self.temperature}")
-        for name in ("aux_weight", "z_weight"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.update not in UPDATES:
-            raise ValueError(f"update must be one of {', '.join(map(repr, UPDATES))}, got {self.update!r}")
-        if self.sampling not in SAMPLINGS:
-            raise ValueError(f"sampling must be one of {', '.join(map(repr, SAMPLINGS))}, got {self.sampling!r}")
+        check_interval(self, "alpha", "(0, 10]")
+        check_interval(self, "temperature", "(0, 100]")
+        check_nonnegative(self, "aux_weight", "z_weight")
+        check_choice(self, "update", UPDATES)
+        check_choice(self, "sampling", SAMPLINGS)
 
 
-class MorRouter(Router):
+class MorRouter(LinearRouter):
+    """Expert choice per recursion step among the previous step's tokens; x + α·sigmoid(r)·(x + Δ)."""
+
     scope = "block"
 
     def __init__(self, d_model: int, config: MorConfig) -> None:
-        super().__init__(config)
-        self.scorer = LinearScorer(d_model)
+        super().__init__(d_model, config)
         # sampling = aux_router: the decode-time predictor, a linear router on the detached state
         self.aux_scorer = LinearScorer(d_model) if config.sampling == "aux_router" else None
-        # Read by ``modbench.model.gpt.RoutedBlock``: the weight multiplies the block's output x + Δ.
-        self.weights_block_output = config.update == "output"
+        # x + g·(x + Δ) (update="output": the weight multiplies the block's output) or x + g·Δ
+        self.mixing = Mixing(weight="block", output=config.update == "output")
 
     _candidates: Tensor | None = None  # (B, T) bool, set only while ``route`` runs
 
@@ -143,19 +139,16 @@ class MorRouter(Router):
         return decide & previous if isinstance(previous, Tensor) else decide
 
     def flops_per_token(self, d_model: int) -> tuple[float, float]:
-        fwd, bwd = LinearScorer.flops(d_model)
+        fwd, bwd = super().flops_per_token(d_model)
         if self.aux_scorer is not None and self.config.aux_weight:
             # the detached router: forward 2d, backward its weight gradient only (2d)
             fwd, bwd = fwd + 2.0 * d_model, bwd + 2.0 * d_model
         return fwd, bwd
 
 
-@register_variant("mor", config=MorConfig,
-                  source="Mixture-of-Recursions, Bae et al. 2025 (arXiv:2507.10524) §2.2, expert-choice routing, "
-                         "per recursion step of a shared block",
-                  provenance=Provenance("paper", "paper", "paper's recipe",
-                                        (("Mixture-of-Recursions §2.2", "secondary"),
-                                         ("raymin0223/mixture_of_recursions expert_choice_router.py", "released code"))))
-def build_mor(d_model: int, config: MorConfig) -> MorRouter:
-    """Expert choice per recursion step among the previous step's tokens; x + α·sigmoid(r)·(x + Δ)."""
-    return MorRouter(d_model, config)
+register_variant("mor", MorRouter, config=MorConfig,
+                 source="Mixture-of-Recursions, Bae et al. 2025 (arXiv:2507.10524) §2.2, expert-choice routing, "
+                        "per recursion step of a shared block",
+                 provenance=Provenance("paper", "paper", "paper's recipe",
+                                       (("Mixture-of-Recursions §2.2", "secondary"),
+                                        ("raymin0223/mixture_of_recursions expert_choice_router.py", "released code"))))

@@ -31,7 +31,8 @@ with a one-layer block, as for ``mor``). ``GPT`` tells each router its place (``
   a token of depth 0 leaves the stream untouched. ``GPT`` passes the choice on: the first routed layer
   returns a ``DepthAssignment`` (logits, depth, g, entry, what it processed) that the next routed
   layers receive as ``previous`` (top-k forward, causal forward and KV-cached decoding alike), and
-  each step's weight and base (``base + weight·(x + Δ)``, ``RoutedBlock``) come from it.
+  each step's weight and base come from it: the router's mixing policy is ``Mixing(output=True,
+  handoff=True)``, base + weight·(x + Δ) (``RoutedBlock.mix``).
 - Balancing loss, the code's ``balancing == "loss"`` (Switch-style): N·Σᵢ fᵢ·Pᵢ over the B·T tokens,
   fᵢ the share of tokens choosing i, Pᵢ the mean of α·softmax(r)ᵢ, weight ``balance_weight`` (the
   config's ``coeff`` 0.1; the trainer adds ``coeff · balancing_loss``). The code divides it by
@@ -70,7 +71,7 @@ from torch import Tensor, nn
 
 from modbench.errors import ModbenchError
 
-from .base import Provenance, Router, Routing, VariantConfig
+from .base import Mixing, Provenance, Router, Routing, VariantConfig, check_choice, check_interval, check_nonnegative
 from .registry import register_variant
 from .token_choice import VariableCountRouter
 
@@ -92,19 +93,13 @@ class MorTokenChoiceConfig(VariantConfig):
     slack: float = 3.0
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.alpha <= 10.0:
-            raise ValueError(f"alpha must be in (0, 10], got {self.alpha}")
-        if self.router_func not in ROUTER_FUNCS:
-            raise ValueError(f"router_func must be one of {', '.join(map(repr, ROUTER_FUNCS))}, got {self.router_func!r}")
-        if not 0.0 < self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in (0, 100], got {self.temperature}")
-        for name in ("balance_weight", "z_weight"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_interval(self, "alpha", "(0, 10]")
+        check_choice(self, "router_func", ROUTER_FUNCS)
+        check_interval(self, "temperature", "(0, 100]")
+        check_nonnegative(self, "balance_weight", "z_weight")
         if self.min_depth not in (0, 1):
             raise ValueError(f"min_depth must be 0 or 1, got {self.min_depth}")
-        if not 1.0 <= self.slack <= 64:
-            raise ValueError(f"slack must be in [1, 64], got {self.slack}")
+        check_interval(self, "slack", "[1, 64]")
 
 
 @dataclass
@@ -125,10 +120,14 @@ class DepthAssignment:
 
 
 class MorTokenChoiceRouter(VariableCountRouter):
-    """Token-choice depth at the first routed layer; later routed layers follow it (see module doc)."""
+    """Depth d = argmax of a linear router at the first routed layer; step s runs the tokens with d > s; entry + g·(x + Δ) at the last.
+
+    Token-choice depth at the first routed layer; later routed layers follow it (see module doc)."""
 
     scope = "block"
-    weights_block_output = True  # read by ``RoutedBlock``: the weight multiplies x + Δ
+    # base + weight·(x + Δ), both handed over with the routing (top-k: ``Routing.base``; causally
+    # ``assign_causal``'s ``DepthAssignment``)
+    mixing = Mixing(weight="block", output=True, handoff=True)
 
     def __init__(self, d_model: int, config: MorTokenChoiceConfig) -> None:
         # Not VariableCountRouter.__init__: no one-logit scorer and no budget controller; the slots
@@ -265,10 +264,6 @@ class MorTokenChoiceRouter(VariableCountRouter):
     def aux_weights(self, step: int) -> dict[str, float]:
         return {"balance": self.config.balance_weight, "router_z": self.config.z_weight}
 
-    def causal_weight(self, x: Tensor, decide: Tensor | None) -> Tensor | None:
-        # The weight comes with the assignment (``RoutedBlock.mix_causal`` reads it there), not from x.
-        return None
-
     def flops_per_token(self, d_model: int) -> tuple[float, float]:
         if self.depth_router is None:
             return 0.0, 0.0
@@ -279,15 +274,12 @@ class MorTokenChoiceRouter(VariableCountRouter):
         return f"step={self.step_index}, steps={self.steps}, choices={self.choices}"
 
 
-@register_variant("mor_token_choice", config=MorTokenChoiceConfig,
-                  source="Mixture-of-Recursions, Bae et al. 2025 (arXiv:2507.10524) §2.2, token-choice routing: "
-                         "each token's recursion depth chosen at the first step",
-                  # Selection and weighting follow the released token_choice_router.py (read in forks that keep it);
-                  # min_depth = 0 (the default), the k_max slots and their priority are modbench's own. Decoding needs
-                  # no rule of its own: the training rule is causal.
-                  provenance=Provenance("paper's recipe", "paper", "paper",
-                                        (("Mixture-of-Recursions §2.2", "secondary"),
-                                         ("raymin0223/mixture_of_recursions token_choice_router.py, via forks", "secondary"))))
-def build_mor_token_choice(d_model: int, config: MorTokenChoiceConfig) -> MorTokenChoiceRouter:
-    """Depth d = argmax of a linear router at the first routed layer; step s runs the tokens with d > s; entry + g·(x + Δ) at the last."""
-    return MorTokenChoiceRouter(d_model, config)
+register_variant("mor_token_choice", MorTokenChoiceRouter, config=MorTokenChoiceConfig,
+                 source="Mixture-of-Recursions, Bae et al. 2025 (arXiv:2507.10524) §2.2, token-choice routing: "
+                        "each token's recursion depth chosen at the first step",
+                 # Selection and weighting follow the released token_choice_router.py (read in forks that keep it);
+                 # min_depth = 0 (the default), the k_max slots and their priority are modbench's own. Decoding needs
+                 # no rule of its own: the training rule is causal.
+                 provenance=Provenance("paper's recipe", "paper", "paper",
+                                       (("Mixture-of-Recursions §2.2", "secondary"),
+                                        ("raymin0223/mixture_of_recursions token_choice_router.py, via forks", "secondary"))))

@@ -21,11 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Provenance, Router, Routing, VariantConfig, topk_membership
-from .linear_router import LinearScorer
+from .base import LinearRouter, PositiveScoreRule, Provenance, Routing, VariantConfig, check_interval, check_nonnegative
 from .registry import register_variant
 
 
@@ -35,18 +33,17 @@ class NestedConfig(VariantConfig):
     aux_weight: float = 0.01  # BCE of r against the layer's top-k membership (the causal rule r > 0)
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.alpha <= 10.0:
-            raise ValueError(f"alpha must be in (0, 10], got {self.alpha}")
-        if self.aux_weight < 0:
-            raise ValueError(f"aux_weight must be >= 0, got {self.aux_weight}")
+        check_interval(self, "alpha", "(0, 10]")
+        check_nonnegative(self, "aux_weight")
 
 
-class NestedRouter(Router):
+class NestedRouter(PositiveScoreRule, LinearRouter):
+    """Top-k only among the tokens the previous routed layer processed; delta × α·sigmoid(r).
+
+    Causal rule: r > 0 (``PositiveScoreRule``, its aux BCE on the unmasked r) and processed by the
+    previous routed layer."""
+
     scope = "block"
-
-    def __init__(self, d_model: int, config: NestedConfig) -> None:
-        super().__init__(config)
-        self.scorer = LinearScorer(d_model)
 
     def score(self, x: Tensor) -> Tensor:
         """r = w·x + b; inside ``route`` with a previous layer, tokens it skipped get r − 10⁴."""
@@ -81,32 +78,17 @@ class NestedRouter(Router):
         return torch.where(scores < -5e3, scores + 1e4, scores)
 
     def aux_losses(self, x: Tensor, scores: Tensor, index: Tensor) -> dict[str, Tensor]:
-        if self.config.aux_weight == 0:
-            return {}
-        raw = self._raw(scores)
-        return {"router_bce": F.binary_cross_entropy_with_logits(raw, topk_membership(raw, index))}
-
-    def aux_weights(self, step: int) -> dict[str, float]:
-        return {"router_bce": self.config.aux_weight}
-
-    def decide_causal(self, x: Tensor) -> Tensor:
-        return self.scorer(x) > 0
+        return super().aux_losses(x, self._raw(scores), index)
 
     def decide_causal_given(self, x: Tensor, previous: Tensor | None) -> Tensor:
         decide = self.decide_causal(x)
         return decide if previous is None else decide & previous
 
-    def flops_per_token(self, d_model: int) -> tuple[float, float]:
-        return LinearScorer.flops(d_model)
 
-
-@register_variant("nested", config=NestedConfig,
-                  source="Mixture-of-Recursions, Bae et al. 2025 (arXiv:2507.10524) §2.2, expert-choice routing",
-                  # MoR nests over recursion steps of one shared block; here over the routed layers of a stack. Its
-                  # code's "aux_loss" sampling is BCE on r with the decision sigmoid(r) >= 0.5, i.e. r >= 0.
-                  provenance=Provenance("paper's recipe", "paper", "paper's recipe",
-                                        (("Mixture-of-Recursions §2.2", "secondary"),
-                                         ("raymin0223/mixture_of_recursions expert_choice_router.py", "released code"))))
-def build_nested(d_model: int, config: NestedConfig) -> NestedRouter:
-    """Top-k only among the tokens the previous routed layer processed; delta × α·sigmoid(r)."""
-    return NestedRouter(d_model, config)
+register_variant("nested", NestedRouter, config=NestedConfig,
+                 source="Mixture-of-Recursions, Bae et al. 2025 (arXiv:2507.10524) §2.2, expert-choice routing",
+                 # MoR nests over recursion steps of one shared block; here over the routed layers of a stack. Its
+                 # code's "aux_loss" sampling is BCE on r with the decision sigmoid(r) >= 0.5, i.e. r >= 0.
+                 provenance=Provenance("paper's recipe", "paper", "paper's recipe",
+                                       (("Mixture-of-Recursions §2.2", "secondary"),
+                                        ("raymin0223/mixture_of_recursions expert_choice_router.py", "released code"))))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import Provenance, QuantileThreshold, Router, VariantConfig
+from .base import Mixing, Provenance, QuantileRule, QuantileThreshold, VariantConfig, check_interval
 from .registry import register_variant
 
 
@@ -22,12 +22,14 @@ class NormConfig(VariantConfig):
     calibration_momentum: float = 0.01  # EMA rate of the causal threshold
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.calibration_momentum <= 1.0:
-            raise ValueError(f"calibration_momentum must be in (0, 1], got {self.calibration_momentum}")
+        check_interval(self, "calibration_momentum", "(0, 1]")
 
 
-class NormRouter(Router):
+class NormRouter(QuantileRule):
+    """Score ‖x‖₂; causal rule ``QuantileRule``."""
+
     scope = "block"
+    mixing = Mixing(weight="none")  # x + Δ
 
     def __init__(self, config: NormConfig) -> None:
         super().__init__(config)
@@ -35,12 +37,6 @@ class NormRouter(Router):
 
     def score(self, x: Tensor) -> Tensor:
         return torch.linalg.vector_norm(x, dim=-1)
-
-    def observe(self, scores: Tensor, topk_values: Tensor) -> None:
-        self.threshold.update(topk_values.amin(-1))
-
-    def decide_causal(self, x: Tensor) -> Tensor:
-        return self.threshold(self.score(x))
 
     def flops_per_token(self, d_model: int) -> tuple[float, float]:
         return 2.0 * d_model, 0.0  # square and sum; the norm carries no gradient to the LM

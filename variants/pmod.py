@@ -5,14 +5,15 @@ Source: Zhang et al. 2024, p-MoD: Building Mixture-of-Depths MLLMs via Progressi
 
 - **TanhNorm**: the router's weight is w = α·tanh(r) + 1 with α = 0.2 (``alpha``), r = w_r·x + b,
   so weights stay in [1 − α, 1 + α].
-- **Where the weight goes** (``weight_scope``): "mlp" (default, as p-MoD's released code) weights
-  the MLP output only, so a processed token becomes x + attn + w·mlp; "block" weights the whole
-  block delta, x + w·(attn + mlp), as MoD does with its router weight.
-- **STRing** (symmetric token reweighting): tokens the layer *skips* are scaled by their weight
-  as well, x ↦ w·x (Figure 2: "both the selected and skipped tokens are symmetrically scaled by
-  their corresponding weights"), so the router gets a gradient from every token, not only the
-  selected ones. Skipped rows are therefore not bit-identical for this variant, by design; the
-  registry sweeps check them against w·x instead.
+- **Where the weight goes** (option ``weight_scope``, the router's ``Mixing.weight``): "mlp"
+  (default, as p-MoD's released code) weights the MLP output only, so a processed token becomes
+  x + attn + w·mlp; "block" weights the whole block delta, x + w·(attn + mlp), as MoD does with its
+  router weight.
+- **STRing** (symmetric token reweighting; option ``string``, ``Mixing(skip="scale")``): tokens
+  the layer *skips* are scaled by their weight as well, x ↦ w·x (Figure 2: "both the selected and
+  skipped tokens are symmetrically scaled by their corresponding weights"), so the router gets a
+  gradient from every token, not only the selected ones. Skipped rows are therefore not
+  bit-identical for this variant, by design; the registry sweeps check them against w·x instead.
 - **Progressive ratio decay** (PRD) is not a router option: modbench reparameterises it as the
   routing config's ``capacity_first`` (capacity falling along a cosine from the first routed layer
   to the last, available to every variant), which matches PRD's shape of a ratio decaying over
@@ -29,11 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Provenance, Router, VariantConfig, topk_membership
-from .linear_router import LinearScorer
+from .base import LinearRouter, Mixing, PositiveScoreRule, Provenance, VariantConfig, check_interval, check_nonnegative
 from .registry import register_variant
 
 
@@ -47,22 +46,21 @@ class PModConfig(VariantConfig):
     def __post_init__(self) -> None:
         if self.weight_scope not in ("mlp", "block"):
             raise ValueError(f"weight_scope must be 'mlp' or 'block', got {self.weight_scope!r}")
-        if not 0.0 < self.alpha < 1.0:
-            raise ValueError(f"alpha must be in (0, 1) (weights stay positive), got {self.alpha}")
-        if self.aux_weight < 0:
-            raise ValueError(f"aux_weight must be >= 0, got {self.aux_weight}")
+        check_interval(self, "alpha", "(0, 1)", " (weights stay positive)")
+        check_nonnegative(self, "aux_weight")
 
 
-class PModRouter(Router):
+class PModRouter(PositiveScoreRule, LinearRouter):
+    """TanhNorm weight 0.2·tanh(r)+1 on processed tokens' MLP output; STRing scales skipped tokens by it too.
+
+    Causal rule: r > 0, taught by the aux BCE (``PositiveScoreRule``), as ``sigmoid``'s."""
+
     scope = "block"
 
     def __init__(self, d_model: int, config: PModConfig) -> None:
-        super().__init__(config)
-        self.scorer = LinearScorer(d_model)
-        self.weight_scope = config.weight_scope
-
-    def score(self, x: Tensor) -> Tensor:
-        return self.scorer(x)
+        super().__init__(d_model, config)
+        # x + attn + w·mlp ("mlp") or x + w·Δ ("block"); skipped tokens w·x under STRing
+        self.mixing = Mixing(weight=config.weight_scope, skip="scale" if config.string else "keep")
 
     def tanh_norm(self, r: Tensor) -> Tensor:
         return self.config.alpha * torch.tanh(r) + 1.0
@@ -70,29 +68,12 @@ class PModRouter(Router):
     def mix_weight(self, selected_scores: Tensor, scores: Tensor) -> Tensor:
         return self.tanh_norm(selected_scores)
 
-    def skip_scale_of(self, scores: Tensor) -> Tensor | None:
-        return self.tanh_norm(scores) if self.config.string else None
-
-    def aux_losses(self, x: Tensor, scores: Tensor, index: Tensor) -> dict[str, Tensor]:
-        if self.config.aux_weight == 0:
-            return {}
-        return {"router_bce": F.binary_cross_entropy_with_logits(scores, topk_membership(scores, index))}
-
-    def aux_weights(self, step: int) -> dict[str, float]:
-        return {"router_bce": self.config.aux_weight}
-
-    def decide_causal(self, x: Tensor) -> Tensor:
-        return self.scorer(x) > 0
-
-    def flops_per_token(self, d_model: int) -> tuple[float, float]:
-        return LinearScorer.flops(d_model)
+    def skip_scale_of(self, scores: Tensor) -> Tensor:
+        return self.tanh_norm(scores)  # (asked only under STRing: ``mixing.skip == "scale"``)
 
 
-@register_variant("pmod", config=PModConfig, source="p-MoD, Zhang et al. 2024 (arXiv:2412.04449) §3.2-3.3 and its released code",
-                  # Selection over every token of a decoder, not over an MLLM's vision tokens.
-                  provenance=Provenance("paper's recipe", "paper", "modbench's own",
-                                        (("p-MoD §3.2-3.3", "secondary"),
-                                         ("MCG-NJU/p-MoD pmod_llava_llama.py (ModLayer)", "released code"))))
-def build_pmod(d_model: int, config: PModConfig) -> PModRouter:
-    """TanhNorm weight 0.2·tanh(r)+1 on processed tokens' MLP output; STRing scales skipped tokens by it too."""
-    return PModRouter(d_model, config)
+register_variant("pmod", PModRouter, config=PModConfig, source="p-MoD, Zhang et al. 2024 (arXiv:2412.04449) §3.2-3.3 and its released code",
+                 # Selection over every token of a decoder, not over an MLLM's vision tokens.
+                 provenance=Provenance("paper's recipe", "paper", "modbench's own",
+                                       (("p-MoD §3.2-3.3", "secondary"),
+                                        ("MCG-NJU/p-MoD pmod_llava_llama.py (ModLayer)", "released code"))))

@@ -1,8 +1,13 @@
 """Variant registry, after timm's model registry.
 
 ``@register_variant("name", config=Cfg, source="…", provenance=Provenance(…))`` on a builder ``(d_model, config) ->
-Router`` makes a variant known; ``list_variants("mod_*")`` filters with shell wildcards;
-``get_variant`` fails with the registered names and the closest match. Third-party packages
+Router`` makes a variant known, and so does ``register_variant("name", MyRouter, config=Cfg, …)`` for a router
+class constructed as ``MyRouter(d_model, config)``: the class is the builder, with no function to write;
+``list_variants("mod_*")`` filters with shell wildcards;
+``get_variant`` fails with the registered names and the closest match. Each variant has a role
+(timm's metadata on the entry): ``baseline`` (``dense``: no routing), ``learned`` (a router) or
+``control`` (a random router, ``control_of`` the learned variant with its gate and scope), so no
+caller names names: ``is_baseline``, ``baseline_variant``, ``random_controls``. Third-party packages
 add variants without forking by exposing a module under the entry-point group
 ``modbench.variants`` (importing it runs their ``@register_variant``).
 """
@@ -20,9 +25,10 @@ from typing import Any
 
 from modbench.errors import ModbenchError, accepted
 
-from .base import Provenance, Router, VariantConfig
+from .base import Provenance, Router, VariantConfig, check_nonnegative
 
 ENTRY_POINT_GROUP = "modbench.variants"
+ROLES = ("baseline", "learned", "control")
 
 
 @dataclass(frozen=True)
@@ -33,16 +39,17 @@ class VariantSpec:
     source: str
     summary: str
     provenance: Provenance | None = None  # None: a plugin that did not state it
+    role: str = "learned"  # one of ROLES
+    control_of: str = ""  # a control: the learned variant whose selection it randomises (same gate, same scope)
 
     @property
     def scope(self) -> str:
-        """The routers' scope ("block", "mlp" or "none"), from the builder's return annotation
-        (every built-in builder has one) or, for an unannotated plugin, from one probe router
+        """The routers' scope ("block", "mlp" or "none"), from the router class (``_router_class``:
+        every built-in variant names it) or, for an unannotated plugin, from one probe router
         built once under a forked RNG (it must not shift the initialisation)."""
         if self.name not in _SCOPES:
-            hints = typing.get_type_hints(self.builder)
-            ret = hints.get("return")
-            if isinstance(ret, type) and issubclass(ret, Router):
+            ret = _router_class(self.builder)
+            if ret is not None:
                 _SCOPES[self.name] = ret.scope
             else:
                 import torch
@@ -72,6 +79,13 @@ class VariantSpec:
         return self.builder(d_model, self.make_config(options))
 
 
+def _router_class(builder: Callable[[int, VariantConfig], Router]) -> type[Router] | None:
+    """The class of the routers ``builder`` builds where it says so: the builder itself (a ``Router``
+    subclass) or its return annotation; None otherwise."""
+    ret = builder if isinstance(builder, type) else typing.get_type_hints(builder).get("return")
+    return ret if isinstance(ret, type) and issubclass(ret, Router) else None
+
+
 _KINDS = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,)}
 
 
@@ -95,19 +109,28 @@ _SCOPES: dict[str, str] = {}
 _plugins_loaded = False
 
 
-def register_variant(name: str, *, config: type[VariantConfig], source: str, provenance: Provenance | None = None):
-    """Decorator registering ``builder(d_model, config) -> Router`` under ``name``; ``provenance``
-    says which parts follow the cited source and how the citation was checked (every built-in
-    variant states it)."""
+def register_variant(name: str, builder: Callable[[int, VariantConfig], Router] | None = None, *,
+                     config: type[VariantConfig], source: str, provenance: Provenance | None = None,
+                     role: str = "learned", control_of: str = ""):
+    """Register ``builder(d_model, config) -> Router`` under ``name``: a function, or a ``Router``
+    subclass whose constructor takes ``(d_model, config)``; the first line of its docstring is the
+    variant's summary. Without ``builder``, a decorator that registers what it decorates.
+    ``provenance`` says which parts follow the cited source and how the citation was checked
+    (every built-in variant states it). ``role``: "learned" (a router), "baseline" (no routing) or
+    "control" (``control_of``: the learned variant it controls)."""
+    if role not in ROLES:
+        raise ValueError(f"variant {name!r}: role must be one of {ROLES}, got {role!r}")
+    if bool(control_of) != (role == "control"):
+        raise ValueError(f"variant {name!r}: a control names the variant it controls (control_of), nothing else does")
 
     def wrap(builder: Callable[[int, VariantConfig], Router]):
         if name in _REGISTRY and _REGISTRY[name].builder is not builder:
             raise ValueError(f"variant {name!r} is already registered")
         summary = (builder.__doc__ or "").strip().splitlines()[0] if builder.__doc__ else ""
-        _REGISTRY[name] = VariantSpec(name, builder, config, source, summary, provenance)
+        _REGISTRY[name] = VariantSpec(name, builder, config, source, summary, provenance, role, control_of)
         return builder
 
-    return wrap
+    return wrap if builder is None else wrap(builder)
 
 
 def _load_plugins() -> None:
@@ -128,6 +151,28 @@ def list_variants(pattern: str = "*") -> list[str]:
     """Registered variant names matching a shell-style wildcard, sorted."""
     _load_plugins()
     return sorted(n for n in _REGISTRY if fnmatch.fnmatchcase(n, pattern))
+
+
+def baseline_variant() -> str:
+    """The registered baseline (role "baseline"): the model every routed arm is compared with."""
+    _load_plugins()
+    found = [s.name for s in _REGISTRY.values() if s.role == "baseline"]
+    if len(found) != 1:
+        raise ModbenchError(f"expected one baseline variant, found {accepted(found) or 'none'}")
+    return found[0]
+
+
+def is_baseline(name: str) -> bool:
+    """Whether ``name`` is the baseline (no routing); an unknown name is not."""
+    _load_plugins()
+    spec = _REGISTRY.get(name)
+    return spec is not None and spec.role == "baseline"
+
+
+def random_controls() -> dict[str, str]:
+    """{learned variant: its random control} (role "control", ``control_of``)."""
+    _load_plugins()
+    return {s.control_of: s.name for s in _REGISTRY.values() if s.role == "control"}
 
 
 def get_variant(name: str) -> VariantSpec:
@@ -161,8 +206,8 @@ _ROUTER_KINDS: dict[str, tuple[str, bool]] = {}
 def _router_kind(spec: VariantSpec) -> tuple[str, bool]:
     """(scope, variable_count) of a registered variant's routers, as ``VariantSpec.scope`` finds them."""
     if spec.name not in _ROUTER_KINDS:
-        ret = typing.get_type_hints(spec.builder).get("return")
-        if not (isinstance(ret, type) and issubclass(ret, Router)):
+        ret = _router_class(spec.builder)
+        if ret is None:
             import torch
 
             with torch.random.fork_rng(devices=[]):
@@ -227,8 +272,7 @@ def _aux_config(base: VariantSpec) -> type[VariantConfig]:
             base.config_cls.__post_init__(self)
         if self.aux_decode_hidden < 0:
             raise ValueError(f"aux_decode_hidden must be >= 0 (0: d_model // 2), got {self.aux_decode_hidden}")
-        if self.aux_decode_weight < 0:
-            raise ValueError(f"aux_decode_weight must be >= 0, got {self.aux_decode_weight}")
+        check_nonnegative(self, "aux_decode_weight")
         for option, (value, why) in refused.items():
             if getattr(self, option) == value:
                 raise ValueError(f"{option}={value!r} is refused with '{AUX_SUFFIX}': {why}")

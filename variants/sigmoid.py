@@ -15,11 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Provenance, Router, VariantConfig, topk_membership
-from .linear_router import LinearScorer
+from .base import LinearRouter, Mixing, PositiveScoreRule, Provenance, VariantConfig, check_choice, check_nonnegative
 from .registry import register_variant
 
 
@@ -36,48 +34,30 @@ class SigmoidConfig(VariantConfig):
     weighting: str = "sigmoid"
 
     def __post_init__(self) -> None:
-        if self.aux_weight < 0:
-            raise ValueError(f"aux_weight must be >= 0, got {self.aux_weight}")
-        if self.weighting not in WEIGHTINGS:
-            raise ValueError(f"weighting must be one of {', '.join(map(repr, WEIGHTINGS))}, got {self.weighting!r}")
+        check_nonnegative(self, "aux_weight")
+        check_choice(self, "weighting", WEIGHTINGS)
 
 
-class SigmoidRouter(Router):
+class SigmoidRouter(PositiveScoreRule, LinearRouter):
+    """Linear router; delta × sigmoid(r) (or × r); optional aux BCE so r > 0 is the causal rule.
+
+    The score is r = w·x + b; the rule and its BCE are ``PositiveScoreRule``'s."""
+
     scope = "block"
 
     def __init__(self, d_model: int, config: SigmoidConfig) -> None:
-        super().__init__(config)
-        self.scorer = LinearScorer(d_model)
-
-    def score(self, x: Tensor) -> Tensor:
-        return self.scorer(x)
+        super().__init__(d_model, config)
+        self.mixing = Mixing(weight="block" if config.gate else "none")  # x + w·Δ, or x + Δ without the gate
 
     def mix_weight(self, selected_scores: Tensor, scores: Tensor) -> Tensor | None:
         if not self.config.gate:
             return None
         return selected_scores if self.config.weighting == "raw" else torch.sigmoid(selected_scores)
 
-    def aux_losses(self, x: Tensor, scores: Tensor, index: Tensor) -> dict[str, Tensor]:
-        if self.config.aux_weight == 0:
-            return {}
-        return {"router_bce": F.binary_cross_entropy_with_logits(scores, topk_membership(scores, index))}
 
-    def aux_weights(self, step: int) -> dict[str, float]:
-        return {"router_bce": self.config.aux_weight}
-
-    def decide_causal(self, x: Tensor) -> Tensor:
-        return self.score(x) > 0
-
-    def flops_per_token(self, d_model: int) -> tuple[float, float]:
-        return LinearScorer.flops(d_model)
-
-
-@register_variant("sigmoid", config=SigmoidConfig,
-                  source="Raposo et al. 2024 §3.4 (eq. 1), §3.5; 'Mixture of Depth is Vibe' blog (joey00072/ohara)",
-                  # Weighting: the paper's router-weight path with the blog's sigmoid (weighting="raw": the paper's r).
-                  provenance=Provenance("paper", "paper's recipe", "paper's recipe",
-                                        (("Raposo et al. 2024 §3.4, §3.5", "secondary"),
-                                         ("'Mixture of Depth is Vibe' blog (joey00072/ohara)", "paper's text"))))
-def build_sigmoid(d_model: int, config: SigmoidConfig) -> SigmoidRouter:
-    """Linear router; delta × sigmoid(r) (or × r); optional aux BCE so r > 0 is the causal rule."""
-    return SigmoidRouter(d_model, config)
+register_variant("sigmoid", SigmoidRouter, config=SigmoidConfig,
+                 source="Raposo et al. 2024 §3.4 (eq. 1), §3.5; 'Mixture of Depth is Vibe' blog (joey00072/ohara)",
+                 # Weighting: the paper's router-weight path with the blog's sigmoid (weighting="raw": the paper's r).
+                 provenance=Provenance("paper", "paper's recipe", "paper's recipe",
+                                       (("Raposo et al. 2024 §3.4, §3.5", "secondary"),
+                                        ("'Mixture of Depth is Vibe' blog (joey00072/ohara)", "paper's text"))))

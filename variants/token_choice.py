@@ -61,8 +61,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import BudgetController, Provenance, Router, Routing, VariantConfig
-from .linear_router import LinearScorer
+from .base import (BudgetController, LinearRouter, Provenance, Routing, VariantConfig, check_choice,
+                   check_interval, check_nonnegative)
 from .registry import register_variant
 
 
@@ -84,10 +84,8 @@ class TokenChoiceConfig(VariantConfig):
     controller_gain: float = 4.0
 
     def __post_init__(self) -> None:
-        if self.balance_weight < 0:
-            raise ValueError(f"balance_weight must be >= 0, got {self.balance_weight}")
-        if not 1.0 <= self.slack <= 64:
-            raise ValueError(f"slack must be in [1, 64], got {self.slack}")
+        check_nonnegative(self, "balance_weight")
+        check_interval(self, "slack", "[1, 64]")
         check_controller(self.controller_gain)
 
 
@@ -111,14 +109,10 @@ class ThresholdConfig(VariantConfig):
 
     def __post_init__(self) -> None:
         check_controller(self.controller_gain)
-        if not 0.0 < self.tau < 1.0:
-            raise ValueError(f"tau must be in (0, 1), got {self.tau}")
-        if self.budget not in BUDGETS:
-            raise ValueError(f"budget must be one of {', '.join(map(repr, BUDGETS))}, got {self.budget!r}")
-        if self.penalty_weight < 0:
-            raise ValueError(f"penalty_weight must be >= 0, got {self.penalty_weight}")
-        if not 1.0 <= self.slack <= 64:
-            raise ValueError(f"slack must be in [1, 64], got {self.slack}")
+        check_interval(self, "tau", "(0, 1)")
+        check_choice(self, "budget", BUDGETS)
+        check_nonnegative(self, "penalty_weight")
+        check_interval(self, "slack", "[1, 64]")
 
 
 def straight_through(decision: Tensor, p: Tensor) -> Tensor:
@@ -126,7 +120,7 @@ def straight_through(decision: Tensor, p: Tensor) -> Tensor:
     return decision.to(p.dtype) + (p - p.detach())
 
 
-class VariableCountRouter(Router):
+class VariableCountRouter(LinearRouter):
     """Each token decides by ``sigmoid(logit(x)) >= threshold``; k_max slots per sequence.
 
     ``logit`` is the score plus the budget controller's bias when the config turns it on
@@ -138,12 +132,8 @@ class VariableCountRouter(Router):
     threshold: float = 0.5
 
     def __init__(self, d_model: int, config) -> None:
-        super().__init__(config)
-        self.scorer = LinearScorer(d_model)
+        super().__init__(d_model, config)
         self.controller = BudgetController(config.controller_gain) if getattr(config, "controller", False) else None
-
-    def score(self, x: Tensor) -> Tensor:
-        return self.scorer(x)
 
     def decision_logit(self, scores: Tensor) -> Tensor:
         """What the rule thresholds (through a sigmoid): the score, shifted by the controller's bias."""
@@ -221,11 +211,10 @@ class VariableCountRouter(Router):
     def load_losses(self, p: Tensor, capacity: float) -> dict[str, Tensor]:
         raise NotImplementedError
 
-    def flops_per_token(self, d_model: int) -> tuple[float, float]:
-        return LinearScorer.flops(d_model)
-
 
 class TokenChoiceRouter(VariableCountRouter):
+    """Each token decides: process iff sigmoid(r) > 0.5, delta × sigmoid(r), balance loss to C."""
+
     def selected_weight(self, p: Tensor, valid: Tensor) -> Tensor:
         return p
 
@@ -242,12 +231,15 @@ class TokenChoiceRouter(VariableCountRouter):
 
 
 class ThresholdRouter(VariableCountRouter):
+    """Process iff sigmoid(w·norm(x) + b_ctl) >= τ, straight-through; a budget controller holds the share."""
+
     def __init__(self, d_model: int, config: ThresholdConfig) -> None:
         super().__init__(d_model, config)
         self.threshold = config.tau
         self.norm = nn.RMSNorm(d_model)
 
     def score(self, x: Tensor) -> Tensor:
+        # FLOPs: the scorer's alone (``LinearRouter.flops_per_token``); the RMSNorm is elementwise (counted as zero)
         return self.scorer(self.norm(x))
 
     def selected_weight(self, p: Tensor, valid: Tensor) -> Tensor:
@@ -262,29 +254,20 @@ class ThresholdRouter(VariableCountRouter):
     def aux_weights(self, step: int) -> dict[str, float]:
         return {"capacity_penalty": self.config.penalty_weight}
 
-    def flops_per_token(self, d_model: int) -> tuple[float, float]:
-        return LinearScorer.flops(d_model)  # the RMSNorm is elementwise (counted as zero)
+
+register_variant("token_choice", TokenChoiceRouter, config=TokenChoiceConfig,
+                 source="Raposo et al. 2024 §3.3 (token-choice routing, arXiv:2404.02258)",
+                 # The paper describes token choice and prefers expert choice: the rule sigmoid(r) >= 0.5, the
+                 # weight, the balance loss on the straight-through share and the k_max slots are ours.
+                 provenance=Provenance("paper's recipe", "paper's recipe", "paper's recipe",
+                                       (("Raposo et al. 2024 §3.3", "secondary"),)))
 
 
-@register_variant("token_choice", config=TokenChoiceConfig,
-                  source="Raposo et al. 2024 §3.3 (token-choice routing, arXiv:2404.02258)",
-                  # The paper describes token choice and prefers expert choice: the rule sigmoid(r) >= 0.5, the
-                  # weight, the balance loss on the straight-through share and the k_max slots are ours.
-                  provenance=Provenance("paper's recipe", "paper's recipe", "paper's recipe",
-                                        (("Raposo et al. 2024 §3.3", "secondary"),)))
-def build_token_choice(d_model: int, config: TokenChoiceConfig) -> TokenChoiceRouter:
-    """Each token decides: process iff sigmoid(r) > 0.5, delta × sigmoid(r), balance loss to C."""
-    return TokenChoiceRouter(d_model, config)
-
-
-@register_variant("threshold", config=ThresholdConfig,
-                  source="Router-Tuning (arXiv:2410.13184) §3; MoDification (arXiv:2410.14268) §3",
-                  # Router-Tuning tunes routers on a frozen base, without a bias, routing attention per sequence by
-                  # default; here: joint training from scratch, whole blocks, a bias and an RMSNorm of our own.
-                  # The budget controller (on by default) is LongCat-Flash's, read through secondary sources.
-                  provenance=Provenance("paper's recipe", "paper's recipe", "paper's recipe",
-                                        (("Router-Tuning §3", "secondary"), ("MoDification §3", "secondary"),
-                                         ("LongCat-Flash (arXiv:2509.01322) §2.1 budget control", "secondary"))))
-def build_threshold(d_model: int, config: ThresholdConfig) -> ThresholdRouter:
-    """Process iff sigmoid(w·norm(x) + b_ctl) >= τ, straight-through; a budget controller holds the share."""
-    return ThresholdRouter(d_model, config)
+register_variant("threshold", ThresholdRouter, config=ThresholdConfig,
+                 source="Router-Tuning (arXiv:2410.13184) §3; MoDification (arXiv:2410.14268) §3",
+                 # Router-Tuning tunes routers on a frozen base, without a bias, routing attention per sequence by
+                 # default; here: joint training from scratch, whole blocks, a bias and an RMSNorm of our own.
+                 # The budget controller (on by default) is LongCat-Flash's, read through secondary sources.
+                 provenance=Provenance("paper's recipe", "paper's recipe", "paper's recipe",
+                                       (("Router-Tuning §3", "secondary"), ("MoDification §3", "secondary"),
+                                        ("LongCat-Flash (arXiv:2509.01322) §2.1 budget control", "secondary"))))

@@ -58,7 +58,7 @@ def build_block(variant: str, capacity: float, cfg: ModelConfig, seed: int = 0) 
     """
     torch.manual_seed(seed)
     dense = DenseLayer(cfg)
-    if variant == "dense":
+    if variants.is_baseline(variant):
         return dense.train()
     router = variants.build_router(variant, cfg.width)
     if router.scope == "none":
@@ -195,8 +195,8 @@ def profile_block(
         file=out,
     )
     summary: dict[str, float] = {}
-    if compare_dense and variant != "dense":
-        dense = build_block("dense", 1.0, cfg).to(device)
+    if compare_dense and not variants.is_baseline(variant):
+        dense = build_block(variants.baseline_variant(), 1.0, cfg).to(device)
         dfl = dense.flops(seq_len)
         dense_step = _synchronised(fwd_bwd(dense, x, grad, cos, sin, autocast=autocast), cuda)
         routed_t, dense_t = time_interleaved([step, dense_step], rounds, warmup=3 if cuda else 1)

@@ -48,7 +48,7 @@ def run(args) -> int:
         torch.manual_seed(args.seed)
         m = GPT(cfg, RoutingConfig(name, capacity=args.capacity, pattern=args.pattern))
         f = m.flops_per_token(args.seq_len)
-        t = 1.0 if name == "dense" else _time_ratio(m, base, idx, args.repeats)
+        t = 1.0 if variants.is_baseline(name) else _time_ratio(m, base, idx, args.repeats)
         m.set_collect_stats(True)
         with torch.no_grad():
             out = m(idx[:1])

@@ -11,7 +11,7 @@ from modbench.cli.common import (DEFAULT_OUT_DIR, add_storage_flag, add_tracking
 
 
 def run(args) -> int:
-    from modbench.config.study import load_study
+    from modbench.design.study_file import load_study
     from modbench.report.build import build_report
     from modbench.track.checkpoint import check_writable
     from modbench.track.optuna_store import existing_storage

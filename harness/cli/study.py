@@ -13,7 +13,7 @@ from modbench.errors import ModbenchError, redact
 
 def _storage_for(args) -> tuple[str, str]:
     """(study name, storage URL) for status: a study file or a name in --out-dir."""
-    from modbench.config.study import load_study, shipped_studies
+    from modbench.design.study_file import load_study, shipped_studies
     from modbench.track.optuna_store import existing_storage
 
     target = Path(args.study)
@@ -30,7 +30,7 @@ def _storage_for(args) -> tuple[str, str]:
 
 
 def run(args) -> int:
-    from modbench.config.study import load_study
+    from modbench.design.study_file import load_study
     from modbench.study.runner import run_study
     from modbench.track.optuna_store import trials_frame
 
@@ -43,7 +43,7 @@ def run(args) -> int:
     offline = Path(args.offline_runs) if args.offline_runs else None
     outcome = run_study(args.study_file, storage=storage, out_dir=args.out_dir, n_trials=args.n_trials,
                         progress=not args.quiet, heartbeat=args.heartbeat, grace=args.grace, tracking_uri=uri,
-                        offline_runs=offline, deadline=deadline)
+                        offline_runs=offline, deadline=deadline, amend_claims=args.amend_claims)
     objectives = load_study(args.study_file).settings.objectives
     arms = arm_summary(trials_frame(outcome.name, outcome.storage), objectives)
     report = study_command(["report", args.study_file], tracking_uri=uri, storage=storage, out_dir=args.out_dir)
@@ -168,7 +168,7 @@ def status(args) -> int:
 
 def list_studies(args) -> int:
     """The studies shipped with modbench: name, size (arms × seeds), first line of the description."""
-    from modbench.config.study import load_study, shipped_studies
+    from modbench.design.study_file import load_study, shipped_studies
 
     rows = []
     for name, path in sorted(shipped_studies().items()):
@@ -201,9 +201,9 @@ def planned_trials(study) -> int:
     if study.settings.sampler != "grid":
         return study.settings.n_trials * len(study.settings.seeds)
     if study.tune.lr_mult:
-        from modbench.study.tuning import family_of, leader_of
+        from modbench.study.tuning import leader_of
 
-        declared = list(dict.fromkeys(family_of(a) for a in study.arms()))
+        declared = list(dict.fromkeys(a.family for a in study.arms()))
         tuned = [f for f in declared if leader_of(f, declared) is None]
         return (len(tuned) + _derived_controls(study)) * len(study.tune.lr_mult)
     return (len(study.arms()) + _derived_controls(study)) * len(study.settings.seeds)
@@ -217,9 +217,9 @@ def _derived_controls(study) -> int:
 
 def show_study(args) -> int:
     """The study file's text (a shipped study by name, or a file)."""
-    from modbench.config.study import find_study, load_study
+    from modbench.design.study_file import find_study, load_study
 
-    from modbench.model.sizing import study_arms
+    from modbench.design.controls import study_arms
 
     path = find_study(args.study)
     s = load_study(path)  # a file that does not validate is an error here too
@@ -251,6 +251,8 @@ def add_parser(sub) -> None:
                    "finished trial says would end later")
     r.add_argument("--offline-runs", metavar="DIR", help="write runs as files under DIR instead of MLflow (a machine "
                    "without MLflow); 'modbench study import' brings them into MLflow")
+    r.add_argument("--amend-claims", action="store_true", help="accept a study file whose [claims.*] settings differ "
+                   "from the ones pre-registered before the first confirmation trial; the report lists the amendment")
     r.add_argument("--heartbeat", type=int, default=10, help="seconds between trial heartbeats")
     r.add_argument("--grace", type=int, default=30, help="seconds without heartbeat before a trial counts as dead and is retried")
     add_tracking_flag(r)

@@ -66,7 +66,7 @@ def check_port(host: str, port: int) -> None:
 
 def study_experiment_id(uri: str, study_file: str) -> str:
     """The MLflow experiment id of the study in ``study_file``."""
-    from modbench.config.study import load_study
+    from modbench.design.study_file import load_study
     from modbench.track.store import connect
 
     name = load_study(study_file).name

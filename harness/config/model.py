@@ -249,3 +249,10 @@ def describe(model: ModelConfig, routing: RoutingConfig) -> str:
         f"variant={routing.variant} C={routing.capacity} ({routing.schedule}) "
         f"pattern={pattern_string(flags)}"
     )
+
+
+def heads_for(width: int, base: ModelConfig) -> int:
+    """Heads of a model ``width`` (even) wide: the head count whose head dimension is even (RoPE)
+    and closest to the base model's head_dim (ties: more heads)."""
+    return min((h for h in range(1, width // 2 + 1) if width % h == 0 and (width // h) % 2 == 0),
+               key=lambda h: (abs(width // h - base.head_dim), -h))

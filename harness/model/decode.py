@@ -292,7 +292,8 @@ class Decoder:
 
     def _routed(self, layer: RoutedBlock, cache: LayerCache, x: Tensor, cos: Tensor, sin: Tensor,
                 previous: object | None, j: int) -> tuple[Tensor, Tensor, object | None]:
-        # The model's own block path (pre_route, decide, routed_delta, mix_causal), with the cache passed in.
+        # The model's own block path (pre_route, decide, routed_delta, mix_causal), with the cache passed in:
+        # how the block's output meets the stream is the router's ``Mixing``, applied by ``RoutedBlock.mix``.
         x = layer.pre_route(x, cos, sin, cache=cache)
         decide, handoff = layer.decide(x, previous)
         B, n = x.shape[:2]

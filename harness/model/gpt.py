@@ -11,7 +11,9 @@ Read top to bottom. Notable features:
   order together with the RoPE angles of their *original* positions, runs attention among
   the selected tokens only (a causal mask on the sorted subset is exact), runs the MLP, and
   adds ``weight · delta`` back with one batched ``index_add``. Unselected tokens are never
-  written, so they come out bit-identical. ``mlp_skip`` routes the MLP alone.
+  written, so they come out bit-identical. ``mlp_skip`` routes the MLP alone. How a variant's
+  block output meets the residual stream otherwise (its weight on the MLP alone or on the block's
+  output, a handed-over base, scaled skipped tokens) is the router's declared ``Mixing`` policy.
 - Capacity 1.0 (and the ``dense`` variant) builds plain blocks: no router, no overhead.
 - Three routing modes (``GPT.forward(..., routing_mode=...)``): ``"topk"`` is the training
   rule above (non-causal: whether token t is selected depends on the scores of later
@@ -23,7 +25,8 @@ Read top to bottom. Notable features:
 - One block path: ``Block.attention`` / ``Block.mlp_delta`` / ``Block.delta`` are the block's
   arithmetic for every routing mode and for KV-cached decoding (the cache is an argument, as
   in nanochat); ``RoutedBlock.pre_route`` / ``routed_delta`` are the only places that read the
-  router's scope, and ``mix_causal`` the one ``x + w·delta`` of the causal paths.
+  router's scope, and ``RoutedBlock.mix`` the one place the block's output meets the residual
+  stream (as the router's ``Mixing`` says), for the top-k forward, causal mode and decoding.
 - No host-device synchronisation in the forward pass: k is a Python int from static
   shapes, and nothing calls ``.item()``; the model compiles with ``fullgraph=True``.
 - Analytic FLOPs as model methods (``flops_per_token``), documented in ``modbench.model.flops``.
@@ -45,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from modbench.variants import Router, get_variant
+from modbench.variants import Mixing, Router, get_variant
 
 from modbench.model import flops as flop_math
 from modbench.model.kv_sharing import KVAccess, KVShare, kv_access
@@ -283,10 +286,13 @@ def causal_routing_mask(decide: Tensor) -> Tensor:
     return ((causal & decide.unsqueeze(1)) | eye).unsqueeze(1)
 
 
-def subset_mask(valid: Tensor) -> Tensor:
+def subset_mask(valid: Tensor | None) -> Tensor | None:
     """(B, 1, k, k) bool for attention among a gathered subset whose slots are not all used:
     key j visible to query i iff j <= i and slot j is valid (every query also sees itself, so
-    an unused slot's row is finite; its output is discarded)."""
+    an unused slot's row is finite; its output is discarded). None (plain causal) when ``valid``
+    is None: every slot is used."""
+    if valid is None:
+        return None
     k = valid.shape[-1]
     causal = torch.ones(k, k, dtype=torch.bool, device=valid.device).tril()
     eye = torch.eye(k, dtype=torch.bool, device=valid.device)
@@ -319,10 +325,14 @@ class RoutedBlock(nn.Module):
         router.attach(self.block)  # a router that shares the block's modules binds them (mode_integrated)
         self.router = router
         self.base_capacity = capacity  # after any warm-up
-        # A router may weight the block's output x + Δ rather than its delta Δ (``mor``'s update, as the
-        # Mixture-of-Recursions code's scatter_add of g·block(x)): a processed token becomes x + w·(x + Δ).
-        self.weights_output = router.weights_block_output
+        # How the block's output meets the residual stream (``Mixing``), as the router declares it: read
+        # once here (an attribute read per layer on the hot path), applied by ``mix`` on every path.
+        self.mixing = router.mixing.check(router.scope, router.variable_count)
         self.capacity = capacity  # at the current training step (GPT.set_step)
+
+    def set_mixing(self, mixing: Mixing) -> None:
+        """Use another policy (a test's, or a router's changed by hand), checked as at construction."""
+        self.mixing = mixing.check(self.router.scope, self.router.variable_count)
 
     # The router's scope is read here, and only here: what runs on every token before routing,
     # and which part of the block the router gates.
@@ -332,50 +342,86 @@ class RoutedBlock(nn.Module):
             return x + self.block.attention(x, cos, sin, **attention)
         return x
 
-    def routed_delta(self, x: Tensor, cos: Tensor, sin: Tensor, mlp_weight: Tensor | None = None,
+    def routed_delta(self, x: Tensor, cos: Tensor, sin: Tensor, weight: Tensor | None = None,
                      **attention: object) -> Tensor:
-        """The routed tokens' delta: the whole block, or the MLP alone for scope "mlp". A router
-        whose weight multiplies the MLP output only (``weight_scope == "mlp"``, p-MoD) gets it here:
-        ``mlp_weight`` from the top-k routing, else (causal mode, decoding) the token's own
-        ``causal_weight``."""
+        """The routed tokens' delta: the whole block, or the MLP alone for scope "mlp". Under a
+        ``Mixing(weight="mlp")`` (p-MoD) the router's weight multiplies the MLP output here: ``weight``
+        (B, n, 1) from the top-k routing, else (causal mode, decoding) the token's own ``causal_weight``."""
         if self.router.scope == "mlp":
             return self.block.mlp_delta(x)
-        if self.router.weight_scope == "mlp" and mlp_weight is None:
-            mlp_weight = self.router.causal_weight(x, None)
+        if self.mixing.weight != "mlp":
+            return self.block.delta(x, cos, sin, **attention)
+        mlp_weight = self.router.causal_weight(x, None) if weight is None else weight.squeeze(-1)
         return self.block.delta(x, cos, sin, mlp_weight=mlp_weight, **attention)
+
+    def mix(self, x: Tensor, xs: Tensor, delta: Tensor, weight: Tensor | None, base: Tensor | None = None, *,
+            decide: Tensor | None = None, flat: Tensor | None = None, rows: Tensor | None = None,
+            valid: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
+        """What the layer leaves in the residual stream, as the router's ``Mixing`` says: the one place a
+        routed block's output meets it, for the top-k forward, causal mode and KV-cached decoding.
+
+        A processed token becomes x + w·Δ, x + Δ (weight "none"), x + attn + w·mlp (weight "mlp": ``w``
+        was applied inside ``delta``), x + w·(x + Δ) (output) or base + w·(x + Δ) (handoff); a skipped one
+        x, or s·x (skip "scale"). ``x``: (B, T, d) the layer's input; ``xs``: (B, n, d) the input of the
+        n slots ``delta`` was computed for; ``weight``: (B, n, 1) or None (unweighted); ``base``: (B, n, d),
+        with a handoff. Where the slots go: ``decide`` ((B, T) bool; causal mode and decoding, every token a
+        slot, ``xs`` is ``x``), or the top-k slots' ``rows`` of ``flat``, x's (B·T, d) view, with a variable
+        count's ``valid`` slots (unused ones add nothing) and a skip scale's ``scale`` (B, T)."""
+        m = self.mixing
+        if valid is not None:  # a variable count: unused slots' delta is zeroed (rows unchanged)
+            delta = delta * valid.unsqueeze(-1).to(xs.dtype)
+        if m.output:  # x + w·(x + Δ): the block's output is weighted (mor, released code)
+            delta = delta + xs
+            if valid is not None:  # unused slots again add nothing (not w·x) to the rows they point at
+                delta = delta * valid.unsqueeze(-1).to(delta.dtype)
+        if weight is not None and m.weight == "block":
+            delta = delta * weight.to(delta.dtype)
+        if decide is not None:
+            return torch.where(decide.unsqueeze(-1), (xs if base is None else base.to(xs.dtype)) + delta, self.skipped(x))
+        B, T, d = x.shape
+        # Under autocast the delta leaves the linears in bf16 while the residual stream stays fp32.
+        delta = delta.reshape(-1, d).to(flat.dtype)
+        if m.handoff:  # mor_token_choice: processed slots become base + w·(x + Δ); unused slots stay x
+            new = base.reshape(-1, d).to(flat.dtype) + delta
+            if valid is not None:
+                new = torch.where(valid.reshape(-1, 1), new, xs.reshape(-1, d))
+            return flat.index_copy(0, rows, new).view(B, T, d)
+        if m.skip == "scale":  # p-MoD's STRing: every row starts as s·x, then the processed rows become x + w·Δ
+            return self._scaled(x, scale).reshape(B * T, d).index_copy(0, rows, xs.reshape(-1, d) + delta).view(B, T, d)
+        return flat.index_add(0, rows, delta).view(B, T, d)
+
+    @staticmethod
+    def _scaled(x: Tensor, scale: Tensor) -> Tensor:
+        return x * scale.unsqueeze(-1).to(x.dtype)
 
     def skipped(self, x: Tensor) -> Tensor:
         """What a skipped token's residual stream becomes: x itself (bit for bit), or x scaled by the
-        router's ``skip_scale`` (p-MoD's STRing)."""
-        scale = self.router.skip_scale(x)
-        return x if scale is None else x * scale.unsqueeze(-1).to(x.dtype)
+        router's ``skip_scale`` under ``Mixing(skip="scale")`` (p-MoD's STRing)."""
+        if self.mixing.skip == "keep":
+            return x
+        return self._scaled(x, self.router.skip_scale_of(self.router.score(x)))
 
     def mix_causal(self, x: Tensor, decide: Tensor, delta: Tensor, handoff: object | None = None,
                    rows: Tensor | None = None) -> Tensor:
-        """x + w·delta where ``decide``, ``skipped(x)`` elsewhere: causal mode and decoding (x + w·(x + delta)
-        for a router that weights the block's output). With a ``handoff`` (see ``decide``), its ``weight``
-        (B, T) and ``base`` (B, T, d) give base + w·(x + delta) instead (``rows``: the sequences of the
-        batch that ``x`` holds, when a decode step runs a subset)."""
+        """``mix`` where ``decide``, ``skipped(x)`` elsewhere: causal mode and decoding, the weight being the
+        router's ``causal_weight``; under a handoff (see ``decide``) its ``weight`` (B, T) and ``base``
+        (B, T, d) instead (``rows``: the sequences of the batch that ``x`` holds, when a decode step runs a
+        subset)."""
         base = None
-        if handoff is not None:
+        if self.mixing.handoff:
             weight, base = handoff.weight, handoff.base
             if rows is not None:
                 weight, base = weight.index_select(0, rows), base.index_select(0, rows)
         else:
-            weight = self.router.causal_weight(x, decide) if self.router.weight_scope == "block" else None
-        if self.weights_output:
-            delta = delta + x
-        if weight is not None:
-            delta = delta * weight.unsqueeze(-1).to(delta.dtype)
-        return torch.where(decide.unsqueeze(-1), (x if base is None else base.to(x.dtype)) + delta, self.skipped(x))
+            weight = self.router.causal_weight(x, decide) if self.mixing.weight == "block" else None
+        return self.mix(x, x, delta, None if weight is None else weight.unsqueeze(-1), base, decide=decide)
 
     def decide(self, x: Tensor, previous: object | None) -> tuple[Tensor, object | None]:
         """The causal decision (B, T) and what the next routed layer receives instead of it (None: the
-        decision itself). A router that assigns each token's depth at the first routed layer
-        (``assign_causal``, ``mor_token_choice``) returns both: its assignment, handed on as ``previous``."""
-        assign = getattr(self.router, "assign_causal", None)
-        if assign is not None:
-            return assign(x, previous)
+        decision itself). Under ``Mixing(handoff=True)`` the router's ``assign_causal`` returns both
+        (``mor_token_choice``: each token's depth, assigned at the first routed layer, handed on as ``previous``)."""
+        if self.mixing.handoff:
+            return self.router.assign_causal(x, previous)
         if self.capacity.is_dense and not self.router.variable_count:
             # Top-k at capacity 1 processes every token (mor's first recursion step at capacity 1, as in
             # ``capacities = "1,2/3,1/3"``), so the causal rule does too, whatever the router's predictor says.
@@ -395,31 +441,10 @@ class RoutedBlock(nn.Module):
         pos = r.index.reshape(-1)  # the selected tokens keep the RoPE angles of their own positions
         cs = cos.index_select(0, pos).view(B, 1, k, -1)
         sn = sin.index_select(0, pos).view(B, 1, k, -1)
-        weight_mlp = self.router.weight_scope == "mlp" and r.weight is not None  # p-MoD: x + attn + w·mlp
-        mlp_weight = r.weight.squeeze(-1) if weight_mlp else None
         kv = kv_access(self.kv_step, share, r.index, r.valid)  # (scope "mlp": its attention was pre_route's)
-        if r.valid is None:
-            delta = self.routed_delta(xs, cs, sn, mlp_weight, **kv)
-        else:  # a variable count: unused slots are no keys, and their delta is zeroed (rows unchanged)
-            delta = self.routed_delta(xs, cs, sn, mlp_weight, mask=subset_mask(r.valid), **kv) * r.valid.unsqueeze(-1).to(xs.dtype)
-        if self.weights_output:  # x + w·(x + Δ): the block's output is weighted (mor, released code)
-            delta = delta + xs
-            if r.valid is not None:  # unused slots again add nothing (not w·x) to the rows they point at
-                delta = delta * r.valid.unsqueeze(-1).to(delta.dtype)
-        if r.weight is not None and not weight_mlp:
-            delta = delta * r.weight.to(delta.dtype)
-        # Under autocast the delta leaves the linears in bf16 while the residual stream stays fp32.
-        delta = delta.reshape(B * k, d).to(flat.dtype)
-        if r.base is not None:  # mor_token_choice: processed slots become base + w·(x + Δ); unused slots stay x
-            new = r.base.reshape(B * k, d).to(flat.dtype) + delta
-            if r.valid is not None:
-                new = torch.where(r.valid.reshape(B * k, 1), new, xs.reshape(B * k, d))
-            out = flat.index_copy(0, rows, new).view(B, T, d)
-        elif r.skip_scale is None:
-            out = flat.index_add(0, rows, delta).view(B, T, d)
-        else:  # p-MoD's STRing: every row starts as w·x, then the processed rows become x + w·Δ
-            scaled = (x * r.skip_scale.unsqueeze(-1).to(x.dtype)).reshape(B * T, d)
-            out = scaled.index_copy(0, rows, xs.reshape(B * k, d) + delta).view(B, T, d)
+        # A variable count's unused slots (``r.valid``) are no keys; ``mix`` zeroes their delta.
+        delta = self.routed_delta(xs, cs, sn, r.weight, mask=subset_mask(r.valid), **kv)
+        out = self.mix(x, xs, delta, r.weight, r.base, flat=flat, rows=rows, valid=r.valid, scale=r.skip_scale)
         processed = r.processed(T)
         stats = dict(r.stats, layer_index=r.index, layer_processed=processed) if self.router.collect_stats else r.stats
         aux = r.aux_losses

@@ -1,4 +1,5 @@
-"""Model sizes from analytic FLOPs: the control arms a study derives for its routed arms.
+"""Model sizes from analytic FLOPs: what the control arms a study derives are sized by
+(``modbench.design.controls`` derives the arms).
 
 A MoD model costs fewer FLOPs per token than the dense model of the same shape, so under one
 FLOP budget it trains on more tokens. Two dense controls separate "routing helps" from "a
@@ -37,15 +38,12 @@ from dataclasses import replace
 import torch
 
 from modbench.config.budget import Budget
-from modbench.config.model import ModelConfig, RoutingConfig
+from modbench.config.model import ModelConfig, RoutingConfig, heads_for
 from modbench.config.run import RunConfig
-from modbench.config.study import Arm, Study, canonical_arm, heads_for
 from modbench.errors import ModbenchError
 from modbench.model.gpt import GPT
 
 MATCH_TOLERANCE = 0.03  # |FLOPs per token of the matched dense / routed − 1|
-# How a derived control's label begins (``Arm.control``); the two at the study's own budget first.
-FLOP_MATCHED, PARAM_MATCHED, ISO_TOKENS = "FLOP-matched to ", "param-matched to ", "iso-tokens of "
 
 
 def flops_per_token(model: ModelConfig, routing: RoutingConfig, seq_len: int) -> float:
@@ -129,54 +127,3 @@ def iso_token_budget(cfg: RunConfig) -> str:
     fpt = flops_per_token(cfg.model, cfg.routing, t.seq_len)
     steps = Budget.parse(t.budget).steps(tokens_per_step, fpt * tokens_per_step)
     return f"steps={steps}"
-
-
-def control_arms(study: Study) -> list[Arm]:
-    """The study's derived control arms (``study.controls``), for each routed arm of [space]
-    (``param_matched_dense``: for each recursive arm of [space], routed or dense).
-
-    Routed arms that share a shape (capacity, pattern, schedule, depth, width, budget, recursion)
-    share their controls; the FLOPs are those of the first routed variant listed (routers differ by
-    a few FLOPs per token, far inside the tolerance).
-    """
-    wanted = study.settings.controls
-    if not wanted:
-        return []
-    out: dict[Arm, None] = {}
-    seen_shapes: set[tuple] = set()
-    for arm in study.main_arms():
-        if "param_matched_dense" in wanted and arm.recursion != "none":
-            out.setdefault(param_matched_arm(study, arm), None)
-        shape = (arm.capacity, arm.capacity_first, arm.pattern, arm.schedule, arm.depth, arm.width, arm.budget, arm.lr_mult,
-                 arm.recursion, arm.recursions, arm.capacities)
-        if arm.variant == "dense" or shape in seen_shapes:
-            continue
-        seen_shapes.add(shape)
-        cfg = study.run_config(arm, study.settings.seeds[0])
-        what = f"{arm.capacity_text} {arm.pattern}" + (" log" if arm.schedule == "log" else "") \
-            + (f" {arm.recursion_text}" if arm.recursion_text else "")
-        if "matched_dense" in wanted:
-            depth, width, _ = matched_dense_shape(cfg)
-            out.setdefault(canonical_arm("dense", 1.0, "-", "constant", arm.lr_mult, depth, arm.budget, width,
-                                         control=f"{FLOP_MATCHED}{what}"), None)
-        if "iso_token_dense" in wanted and Budget.parse(arm.budget).kind == "flops":
-            out.setdefault(canonical_arm("dense", 1.0, "-", "constant", arm.lr_mult, arm.depth, iso_token_budget(cfg),
-                                         arm.width, control=f"{ISO_TOKENS}{what}"), None)
-    return list(out)
-
-
-def param_matched_arm(study: Study, arm: Arm) -> Arm:
-    """The vanilla dense arm with the parameters of ``arm``'s recursive model: its physical depth at
-    its width (``param_matched_vanilla``), same budget and learning-rate multiplier."""
-    model = study.run_config(arm, study.settings.seeds[0]).model
-    twin = param_matched_vanilla(model)
-    return canonical_arm("dense", 1.0, "-", "constant", arm.lr_mult, twin.layers, arm.budget, twin.width,
-                         control=f"{PARAM_MATCHED}L{model.layers} {arm.recursion_text}")
-
-
-def study_arms(study: Study) -> list[Arm]:
-    """Every arm a grid study runs: its declared arms, then its derived controls."""
-    arms = dict.fromkeys(study.arms())
-    for arm in control_arms(study):
-        arms.setdefault(arm, None)
-    return list(arms)

@@ -20,14 +20,14 @@ import pandas as pd
 
 from modbench.errors import redact
 from modbench.report import figures
-from modbench.report.claims import CONTROL_VARIANTS
+from modbench.design.vocabulary import CONTROL_VARIANTS, DENSE
 from modbench.report.claims_report import TuningTable, claims_sections
 from modbench.report.collect import ReportData, collect
 from modbench.report.routing_analysis import analyse_masks, selection_masks
 from modbench.report.stats import compare_to_baseline, holm, pareto_front, summarize
 from modbench.report.stats_text import describe_comparison
-from modbench.config.study import load_study
-from modbench.model.sizing import study_arms
+from modbench.design.study_file import load_study
+from modbench.design.controls import study_arms
 
 ALPHA = 0.05
 SPEED_SPREAD_TOLERANCE = 1.25  # fastest / slowest seed of one arm above this: the machine was busy
@@ -87,7 +87,7 @@ def comparisons(data: ReportData, arms: pd.DataFrame) -> tuple[pd.DataFrame, lis
     """Each group's routed arms vs its dense arm; Holm over the whole report's family."""
     frames, notes = [], []
     for group, g in data.done.groupby("group"):
-        dense = g[g.variant == "dense"]["arm"].unique()
+        dense = g[g.variant == DENSE]["arm"].unique()
         if len(dense) == 0:
             notes.append(f"group {group}: no dense baseline in this study, so no comparison against dense is possible")
             continue
@@ -118,8 +118,8 @@ def summary_rows(arms: pd.DataFrame, comp: pd.DataFrame) -> tuple[pd.DataFrame, 
         best = g.sort_values("mean").iloc[0]
         row = {"group": group, "best arm": best["arm"], "val bpb": best["mean"],
                "95% CI": f"[{fmt(best['ci_low'])}, {fmt(best['ci_high'])}]" if best["ci_low"] is not None and not pd.isna(best["ci_low"]) else "n/a (n<2)",
-               "n": int(best["n"]), "Holm p vs dense (Welch)": "baseline" if best["variant"] == "dense" else "n/a"}
-        if best["variant"] != "dense" and not comp.empty:
+               "n": int(best["n"]), "Holm p vs dense (Welch)": "baseline" if best["variant"] == DENSE else "n/a"}
+        if best["variant"] != DENSE and not comp.empty:
             c = comp[(comp.group == group) & (comp.arm == best["arm"])]
             if len(c):
                 row["Holm p vs dense (Welch)"] = fmt(c.iloc[0]["welch_p_adj"])
@@ -226,7 +226,7 @@ def _pareto_lines(arms: pd.DataFrame, dest: Path) -> list[str]:
 def _throughput_lines(arms: pd.DataFrame, dest: Path) -> list[str]:
     """The capacity figure (several capacities only) and the measured throughput bars."""
     lines = []
-    if arms[arms.variant != "dense"]["capacity"].nunique() > 1:
+    if arms[arms.variant != DENSE]["capacity"].nunique() > 1:
         figures.capacity_vs_bpb(arms, dest / "capacity.png")
         lines += ["## Capacity", "", "![capacity vs bpb](capacity.png)", ""]
     figures.throughput_bars(arms, dest / "throughput.png")
@@ -263,7 +263,7 @@ def _comparison_heading(claims_study: bool, comp: pd.DataFrame) -> list[str]:
 def _causal_section(data: ReportData) -> list[str]:
     cols = ["val/causal_gap", "val/dense_gap", "val/causal_agreement", "val/causal_fraction", "val/topk_leak_rate"]
     present = [c for c in cols if c in data.done]
-    routed = data.done[data.done.variant != "dense"]
+    routed = data.done[data.done.variant != DENSE]
     if not present or routed.empty:
         return []
     t = routed.groupby("arm")[present].mean().reset_index()
@@ -279,7 +279,7 @@ def _routing_section(data: ReportData, dest: Path, uri: str, progress: bool = Fa
 
     from modbench.track.records import fetch_checkpoint, read_record
 
-    routed = data.done[data.done.variant != "dense"].sort_values("seed")
+    routed = data.done[data.done.variant != DENSE].sort_values("seed")
     if routed.empty:
         return []
     positions, classes, overlaps = [], [], []
@@ -316,7 +316,7 @@ def _routing_section(data: ReportData, dest: Path, uri: str, progress: bool = Fa
         out += ["Overlap of the selected sets between routed layers (1 = the same tokens every layer):", "",
                 md_table(pd.DataFrame(overlaps)), ""]
     if "val/hard_precision" in data.done:
-        hard = data.done[data.done.variant != "dense"].groupby("arm")[["val/hard_precision", "val/hard_recall", "val/hard_base_rate"]].mean().reset_index()
+        hard = data.done[data.done.variant != DENSE].groupby("arm")[["val/hard_precision", "val/hard_recall", "val/hard_base_rate"]].mean().reset_index()
         out += ["Routing against ground truth (arithmetic task: hard = answer digits of multiplications):", "", md_table(hard), ""]
     if heatmap is not None:
         out += [f"Processed positions on one validation window ({heatmap_arm}, first seed; drawn from its checkpoint):", "",

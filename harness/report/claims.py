@@ -76,28 +76,26 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Collection
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 import pandas as pd
 from scipy import stats
 
 from modbench.config.capacity import CapacitySchedule
-from modbench.config.study import ClaimSettings, Study
+from modbench.design.study_file import ClaimSettings, StudySpec
 from modbench.report.collect import row_arm
-from modbench.model.sizing import FLOP_MATCHED, PARAM_MATCHED, decode_flops_per_token
+from modbench.design.controls import FLOP_MATCHED, PARAM_MATCHED
+from modbench.design.vocabulary import (CONTROL_VARIANTS, DENSE, HEADLINE, METHODS_REFERENCE, POSITIVE_CONTROL,
+                                        RANDOM_CONTROL, SELECT)
+from modbench.model.sizing import decode_flops_per_token
 from modbench.report.effects import compare_effects, verdict_class
+from modbench.report.stats import holm
 
-HEADLINE = "test/causal_bpb"  # what claims are reported on
-SELECT = "val/causal_bpb"  # what "best" is chosen on
 ALPHA = 0.05
-RANDOM_CONTROL = {"sigmoid": "random_gated", "norm": "random", "mlp_skip": "random_mlp"}
-CONTROL_VARIANTS = ("random", "random_gated", "random_mlp")
-METHODS_REFERENCE = "sigmoid"  # the seed recipe the later methods are measured against (C4)
 DEGENERATE_FACTOR = 4.0  # realised share below C / 4 (or skipped share below (1 − C) / 4): degenerate
 SHARE_COLUMN = re.compile(r"^(val|test)/causal_fraction(_L\d+)?$")
 FLAGGED = "flagged"
-POSITIVE_CONTROL = "positive control"  # Arm.control of the positive control starts with this
 POSITIVE_CONTROL_ID = "C1+"
 
 
@@ -130,7 +128,7 @@ def _mean_by_arm(df: pd.DataFrame, metric: str) -> pd.Series:
 
 def _learned(done: pd.DataFrame) -> list[str]:
     """Learned routed variants in the order they appear."""
-    seen = [v for v in done["variant"] if v != "dense" and v not in CONTROL_VARIANTS]
+    seen = [v for v in done["variant"] if v != DENSE and v not in CONTROL_VARIANTS]
     return list(dict.fromkeys(seen))
 
 
@@ -264,7 +262,7 @@ def mod_vs_best_dense(done: pd.DataFrame, settings: ClaimSettings = ClaimSetting
     ok = done[~done["arm"].isin(flagged)]
     vanilla = ok["recursion"].fillna("none") == "none" if "recursion" in ok else True  # a recursive dense model is an arm
     # the best dense size at this budget on val: the declared dense arms and the same-budget controls
-    dense_best = _best(ok, (ok["variant"] == "dense") & _dense_size_at_budget(ok) & vanilla)
+    dense_best = _best(ok, (ok["variant"] == DENSE) & _dense_size_at_budget(ok) & vanilla)
     bests = {v: _best(ok, (ok["variant"] == v) & _plain(ok)) for v in _learned(ok)}
     pairs = [(best, dense_best) for best in bests.values() if best and dense_best]
     variant = _primary_variant(done, settings)
@@ -322,6 +320,8 @@ def positive_control_line(found: list[Claim]) -> str:
     claim = next((c for c in found if c.id == POSITIVE_CONTROL_ID), None)
     if claim is None:
         return ""
+    if claim.verdict_class == "regime not reached":  # no verdict, so no check of the design either
+        return f"**The positive control decides nothing here:** {claim.verdict}."
     if claim.verdict_class == "worse":
         return (f"**The design passed its positive control:** the smaller-budget dense model is classed "
                 f"\"worse\" than C1's reference, as it must be (Δ = {_fmt(claim.estimate)} bpb, "
@@ -395,7 +395,7 @@ def causal_rule(done: pd.DataFrame, settings: ClaimSettings = ClaimSettings(),
                 flagged: dict[str, str] | None = None) -> tuple[list[Claim], pd.DataFrame]:
     flagged = flagged or {}
     rows = []
-    routed = done[_plain(done) & (done["variant"] != "dense") & ~done["arm"].isin(flagged)]
+    routed = done[_plain(done) & (done["variant"] != DENSE) & ~done["arm"].isin(flagged)]
     need = ("val/causal_agreement", "val/causal_chance_agreement", "val/causal_bpb", "val/bpb")
     if routed.empty or any(c not in routed for c in need):
         return [], pd.DataFrame()
@@ -520,7 +520,7 @@ def _fmt(x) -> str:
     return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:+.3f}"
 
 
-def arm_summary(done: pd.DataFrame, study: Study) -> pd.DataFrame:
+def arm_summary(done: pd.DataFrame, study: StudySpec) -> pd.DataFrame:
     """One row per arm, causal first: test causal bpb (mean, t CI), top-k bpb, realised fraction,
     training FLOPs per token and forward FLOPs per token at the realised fraction."""
     rows = []
@@ -539,10 +539,10 @@ def arm_summary(done: pd.DataFrame, study: Study) -> pd.DataFrame:
     return pd.DataFrame(rows).sort_values("causal_bpb").reset_index(drop=True)
 
 
-def _capacity_bounds(row: pd.Series, study: Study) -> tuple[float, float] | None:
+def _capacity_bounds(row: pd.Series, study: StudySpec) -> tuple[float, float] | None:
     """(lowest, highest) capacity of the trial's routed layers at the evaluation length, or None
     for an arm with no routing (dense, or C = 1 everywhere)."""
-    if row["variant"] == "dense":
+    if row["variant"] == DENSE:
         return None
     cfg = study.run_config(row_arm(row), int(row["seed"]))
     routing = cfg.routing
@@ -563,7 +563,7 @@ def _share_problem(share: float, low: float, high: float) -> str:
     return ""
 
 
-def degenerate_arms(done: pd.DataFrame, study: Study) -> dict[str, str]:
+def degenerate_arms(done: pd.DataFrame, study: StudySpec) -> dict[str, str]:
     """Routed arms whose realised share in some completed trial is far from their capacity C:
     share < C/4 (collapsed) or skipped share < (1 − C)/4 (saturated), on any recorded share
     column (``val/`` and ``test/causal_fraction``, and ``…_L{i}`` per routed layer when logged).
@@ -593,7 +593,7 @@ def degenerate_arms(done: pd.DataFrame, study: Study) -> dict[str, str]:
     return found
 
 
-def confirmation_rows(done: pd.DataFrame, study: Study, confirmed: Collection[str] | None = None) -> pd.DataFrame:
+def confirmation_rows(done: pd.DataFrame, study: StudySpec, confirmed: Collection[str] | None = None) -> pd.DataFrame:
     """The trials a claim of a study with ``[tune]`` compares: the confirmed arms' (``confirmed``,
     arm labels; None: every arm) on every seed but the tuning seed, on which each best value was
     picked. A study without ``[tune]``: every trial."""
@@ -605,7 +605,7 @@ def confirmation_rows(done: pd.DataFrame, study: Study, confirmed: Collection[st
     return done[keep]
 
 
-def test_claims(done: pd.DataFrame, study: Study,
+def test_claims(done: pd.DataFrame, study: StudySpec,
                 confirmed: Collection[str] | None = None) -> tuple[list[Claim], pd.DataFrame, list[pd.DataFrame]]:
     """Every declared claim: the claims, the effects table (C1, C1+, C2, C4 rows, column
     ``family``: primary / secondary) and the extra tables. Degenerate arms (:func:`degenerate_arms`)
@@ -622,4 +622,41 @@ def test_claims(done: pd.DataFrame, study: Study,
             tables.append(table)
         elif len(table):
             effects.append(table)
-    return claims, pd.concat(effects, ignore_index=True) if effects else pd.DataFrame(), tables
+    effects = pd.concat(effects, ignore_index=True) if effects else pd.DataFrame()
+    claims, effects = holm_across_primaries(claims, effects)
+    return claims, effects, tables
+
+
+def holm_across_primaries(claims: list[Claim], effects: pd.DataFrame, alpha: float = ALPHA) -> tuple[list[Claim], pd.DataFrame]:
+    """Holm over the study's primary contrasts (C1, C2, C4, …; the positive control is a check of the
+    design, not a claim): each primary is its own family (m = 1), and a study tests several, so the
+    chance that one of them is a false positive grows with their number. Every primary row gets
+    ``p_primaries`` and ``tost_p_primaries`` (Holm across them); a claim whose class changes under
+    them takes the new class, and its verdict says why. One primary: nothing changes."""
+    if effects.empty or "family" not in effects:
+        return claims, effects
+    rows = effects[(effects["family"] == "primary") & (effects["claim_id"] != POSITIVE_CONTROL_ID)
+                   & effects["p"].notna()]
+    effects = effects.assign(p_primaries=np.nan, tost_p_primaries=np.nan)
+    if len(rows) < 2:
+        return claims, effects
+    effects.loc[rows.index, "p_primaries"] = holm(rows["p"].astype(float).tolist())
+    tost = rows["tost_p"].dropna()
+    if len(tost):
+        effects.loc[tost.index, "tost_p_primaries"] = holm(tost.astype(float).tolist())
+    out = []
+    for claim in claims:
+        match = effects.loc[rows.index][effects.loc[rows.index, "claim_id"] == claim.id]
+        if match.empty:
+            out.append(claim)
+            continue
+        row = effects.loc[match.index[0]]
+        cls = verdict_class(_clean(row["estimate"]), _clean(row["p_primaries"]), _clean(row["tost_p_primaries"]), alpha)
+        if cls == claim.verdict_class or claim.verdict_class == FLAGGED:
+            out.append(claim)
+            continue
+        note = (f"{claim.verdict_class} on its own, {cls} after Holm across the study's {len(rows)} primary claims "
+                f"(p = {row['p_primaries']:.3g}" + (f", TOST p = {row['tost_p_primaries']:.3g}" if
+                                                     pd.notna(row["tost_p_primaries"]) else "") + ")")
+        out.append(replace(claim, verdict_class=cls, verdict=note, tost_p=_clean(row["tost_p_primaries"])))
+    return out, effects

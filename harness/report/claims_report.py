@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,13 +34,14 @@ import numpy as np
 import pandas as pd
 
 from modbench.config.model import lr_scale, wd_scale
-from modbench.config.study import Study
+from modbench.design.study_file import StudySpec
 from modbench.data import load_corpus
 from modbench.model.sizing import non_embedding_params
 from modbench.report import claims as claims_module
 from modbench.report import figures
 from modbench.report.baselines import WINDOW_ORDER, Baselines, fit_ngrams, sanity_baselines
-from modbench.report.claims import HEADLINE, SELECT, arm_summary, test_claims
+from modbench.design.vocabulary import DENSE, HEADLINE, SELECT
+from modbench.report.claims import arm_summary, test_claims
 from modbench.report.collect import ReportData, row_arm
 from modbench.report.decode_costs import BATCH, THREADS, measure_arms
 from modbench.report.effects import compare_effects
@@ -110,12 +112,12 @@ def regime_lines(arms: pd.DataFrame, base: dict[str, Baselines]) -> list[str]:
     bar, name = _bar(base["test"])
     worse = arms[~(arms["causal_bpb"] < bar)]
     listed = ", ".join(f"{r.arm} ({_fmt(r.causal_bpb)})" for r in worse.itertuples())
-    routed = arms[arms["variant"] != "dense"]
+    routed = arms[arms["variant"] != DENSE]
     if len(worse) == len(arms):
         return [f"> **Under-trained regime: routing conclusions are unreliable.** No arm beats a {name} "
                 f"({bar:.3f} bpb); the best arm reaches {arms['causal_bpb'].min():.3f}. These models have not yet "
                 "learned more than short byte statistics.", ""]
-    if len(worse) and (worse["variant"] == "dense").all() and len(routed) and (routed["causal_bpb"] < bar).all():
+    if len(worse) and (worse["variant"] == DENSE).all() and len(routed) and (routed["causal_bpb"] < bar).all():
         margin = bar - routed["causal_bpb"].max()
         return [f"> **Under-trained: {len(worse)} of {len(arms)} arms do not beat a {name}** "
                 f"({bar:.3f} bpb): {listed}. All of them are dense models (the large end of a size sweep trains too few "
@@ -126,6 +128,72 @@ def regime_lines(arms: pd.DataFrame, base: dict[str, Baselines]) -> list[str]:
                 f"not beat a {name} ({bar:.3f} bpb): {listed}.", ""]
     return [f"Every arm beats the {name} ({bar:.3f} bpb; best arm {arms['causal_bpb'].min():.3f}), so the models "
             "have learned more than short byte statistics.", ""]
+
+
+REGIME_NOT_REACHED = "regime not reached"  # a claim's class when its compared arms do not beat counting
+
+
+def regime_gate(claims: list, effects: pd.DataFrame, arms: pd.DataFrame, base: dict[str, Baselines]) -> list:
+    """The claims, each whose compared arms do not all beat the count bar (``_bar``) re-classed
+    "regime not reached" with its verdict replaced (issue "Best against best": verdicts only where
+    the models have learned more than short byte statistics; the numbers stay in the tables). A
+    claim's compared arms are its primary contrast's arm and reference; a claim without an effect row
+    (C3's within-run quantities) is gated when no arm beats the bar."""
+    bar, name = _bar(base["test"])
+    score = arms.set_index("arm")["causal_bpb"]
+    out = []
+    for claim in claims:
+        if claim.verdict_class == claims_module.FLAGGED:  # a degenerate arm is the stronger reason: it stays
+            out.append(claim)
+            continue
+        rows = _rows_of(effects, claim.id)
+        compared = [rows.iloc[0]["arm"], rows.iloc[0]["reference"]] if len(rows) else list(score.index)
+        short = [a for a in compared if a in score and not score[a] < bar]
+        if not short or (not len(rows) and len(short) < len(compared)):
+            out.append(claim)
+            continue
+        listed = ", ".join(f"{a} ({score[a]:.3f})" for a in short)
+        out.append(replace(claim, verdict_class=REGIME_NOT_REACHED,
+                           verdict=f"regime not reached: {listed} do{'es' if len(short) == 1 else ''} not beat the "
+                                   f"{name} ({bar:.3f} bpb): no verdict"))
+    return out
+
+
+CLAIM_KINDS = {"C1": "mod_vs_best_dense", "C2": "learned_vs_random", "C4": "methods_vs_sigmoid"}  # claims.py's ids
+TIE_COST = {"decode_flops": ("decode_flops_per_token", "decode FLOPs/token"),
+            "train_flops": ("flops_per_token", "training FLOPs/token")}
+
+
+def tie_lines(claims: list, effects: pd.DataFrame, arms: pd.DataFrame, study) -> tuple[list[str], list[dict]]:
+    """For each primary claim that ties ("equivalent") two arms of different cost: what each costs,
+    and who wins by the claim's declared ``tie_break`` (or that none was declared)."""
+    cost = arms.set_index("arm")
+    lines, records = [], []
+    for claim in claims:
+        rows = _rows_of(effects, claim.id)
+        if claim.verdict_class != "equivalent" or not claim.primary or rows.empty:
+            continue
+        arm, ref = rows.iloc[0]["arm"], rows.iloc[0]["reference"]
+        if arm not in cost.index or ref not in cost.index:
+            continue
+        ratios = {rule: cost.loc[arm, col] / cost.loc[ref, col] - 1 for rule, (col, _) in TIE_COST.items()}
+        costs = (f"{arm} costs {ratios['decode_flops']:+.0%} decode FLOPs/token and {ratios['train_flops']:+.0%} "
+                 f"training FLOPs/token against {ref}")
+        kind = CLAIM_KINDS.get(claim.id[:2], "")
+        rule = getattr(study.claim_settings.get(kind), "tie_break", "")
+        if not rule:
+            lines.append(f"- **{claim.id} ties at different cost**: {costs}; the study declares no rule for a tie "
+                         "(`tie_break`), so the tie alone names no winner.")
+            records.append({"claim": claim.id, "arm": arm, "reference": ref, "rule": "", "winner": None, **ratios})
+            continue
+        column, what = TIE_COST[rule]
+        a, r = cost.loc[arm, column], cost.loc[ref, column]
+        winner = arm if a < r else ref if r < a else None
+        verdict = f"**{winner} wins**" if winner else "neither is cheaper: no winner"
+        lines.append(f"- **{claim.id} ties at different cost**: {costs}; by its declared rule (fewer {what} wins a tie) "
+                     f"{verdict}.")
+        records.append({"claim": claim.id, "arm": arm, "reference": ref, "rule": rule, "winner": winner, **ratios})
+    return (lines + [""] if lines else []), records
 
 
 def baseline_lines(base: dict[str, Baselines]) -> list[str]:
@@ -175,6 +243,8 @@ def claim_sentence(claim, effects: pd.DataFrame) -> str:
     numbers = f"Δ = {_signed(claim.estimate)} bpb, 95 % CI {_ci(claim.ci_low, claim.ci_high)}, {claim.n_seeds} seeds"
     arm, ref = rows.iloc[0]["arm"], rows.iloc[0]["reference"]
     within = f" within ±{margin:g} bpb" if margin else ""
+    if cls == REGIME_NOT_REACHED:
+        return f"**{claim.id}**: {arm} against {ref}: {claim.verdict} ({numbers})."
     phrase = {"better": f"{arm} is better than {ref} on test causal bpb",
               "worse": f"{arm} is worse than {ref} on test causal bpb",
               "equivalent": f"{arm} ties {ref}{within} on test causal bpb",
@@ -377,7 +447,7 @@ def causal_lines(tables: list[pd.DataFrame]) -> list[str]:
             _table(t), ""]
 
 
-TuningTable = Callable[[Study, pd.DataFrame], pd.DataFrame]
+TuningTable = Callable[[StudySpec, pd.DataFrame], pd.DataFrame]
 
 
 def tuning_table(data: ReportData, table: TuningTable | None) -> pd.DataFrame:
@@ -417,27 +487,36 @@ def tuning_lines(table: pd.DataFrame) -> list[str]:
 
 # --- the dense isoFLOP profile and the C1 reference ---------------------------------------------------
 def profile_points(data: ReportData) -> pd.DataFrame:
-    """One row per finished trial at a FLOP budget: its family (``dense`` for every dense model,
-    derived controls included; ``<variant> C=<capacity>`` for routed arms), size, LR multiplier,
-    validation causal bpb, and what else changes with size (depth, width, peak LR, weight decay,
-    steps)."""
+    """One row per finished trial at a FLOP budget: its family, its size (the architecture, "L3 d160":
+    two sizes with one parameter count stay two sizes), parameters, LR multiplier, validation causal
+    bpb, and what else changes with size (depth, width, peak LR, weight decay, steps). The family of
+    every vanilla dense model (derived controls included) is ``dense``: the dense profile; a
+    recursive dense model is a family of its own ("dense middle_cycle N_R=3"), as is each routed
+    variant at its capacity, so neither is ever a size of the dense profile."""
     done = data.done
     rows = []
     for _, r in done[done["budget"].astype(str).str.startswith("flops=")].iterrows():
-        cfg = data.study.run_config(row_arm(r), int(r["seed"]))
+        arm = row_arm(r)
+        cfg = data.study.run_config(arm, int(r["seed"]))
         t = cfg.train
-        family = "dense" if r["variant"] == "dense" else f"{r['variant']} C={r['capacity']:g}"
-        rows.append({"family": family, "arm": r["arm"], "variant": r["variant"],
+        rows.append({"family": profile_family(arm), "arm": r["arm"], "variant": r["variant"],
+                     "size": " ".join(filter(None, (f"L{cfg.model.layers} d{cfg.model.width}", arm.recursion_text))),
                      "budget": float(str(r["budget"]).split("=")[1]), "params": non_embedding_params(cfg.model, cfg.routing),
                      "lr_mult": float(r["lr_mult"]), "seed": int(r["seed"]), "loss": r.get(SELECT),
                      "depth": cfg.model.layers, "width": cfg.model.width,
                      "peak LR": t.lr * (lr_scale(cfg.model.width) if t.scale_hparams else 1.0),
                      "weight decay": t.weight_decay * (wd_scale(cfg.model.layers) if t.scale_hparams else 1.0),
                      "steps": r.get("steps")})
-    columns = ["family", "arm", "variant", "budget", "params", "lr_mult", "seed", "loss", "depth", "width", "peak LR",
-               "weight decay", "steps"]
+    columns = ["family", "arm", "variant", "size", "budget", "params", "lr_mult", "seed", "loss", "depth", "width",
+               "peak LR", "weight decay", "steps"]
     points = pd.DataFrame(rows, columns=columns)
     return points[np.isfinite(pd.to_numeric(points["loss"], errors="coerce"))]
+
+
+def profile_family(arm) -> str:
+    """The isoFLOP family of an arm: ``dense`` for a vanilla dense model, else what sets it apart."""
+    what = DENSE if arm.variant == DENSE else f"{arm.variant} C={arm.capacity:g}"
+    return f"{what} {arm.recursion_text}" if arm.recursion_text else what
 
 
 def reference_name(sizes: pd.DataFrame) -> str:
@@ -459,25 +538,27 @@ def isoflop_lines(data: ReportData, dest: Path, effects: pd.DataFrame) -> tuple[
     # The dense profile is the study's own budget: another budget (the positive control's) is another
     # profile, never averaged into a size of this one.
     budget = float(str(data.study.base.train.budget).split("=")[1])
-    dense_sizes = sizes[(sizes["family"] == "dense") & (sizes["budget"] == budget)]
+    dense_sizes = sizes[(sizes["family"] == DENSE) & (sizes["budget"] == budget)]
     if dense_sizes.empty:
         return [], {}
-    dense_best, compared, best_dense = dense_reference(best, budget, tuning_seed)
+    dense_best, compared, best_dense = dense_reference(best, budget, tuning_seed, family=DENSE)
     on = f"on the tuning seed {tuning_seed}" if compared is not dense_best else "mean over each size's seeds"
-    fitted = best[best.groupby(["family", "budget"])["params"].transform("nunique") >= MIN_SIZES]
+    fitted = best[best.groupby(["family", "budget"])["size"].transform("nunique") >= MIN_SIZES]
     if tuning_seed is not None and (fitted["seed"] == tuning_seed).any():
         fitted = fitted[fitted["seed"] == tuning_seed]
-    fits, versus = profiles(fitted) if len(fitted) else (pd.DataFrame(), pd.DataFrame())
+    fits, versus = profiles(fitted, reference=DENSE) if len(fitted) else (pd.DataFrame(), pd.DataFrame())
     record = {"reference": reference_name(dense_sizes), "reference_arm": best_dense, "chosen": on,
               "sizes": dense_sizes.to_dict(orient="records"), "fits": fits.to_dict(orient="records") if len(fits) else []}
     c1 = c1_reference(effects, data.done) if len(effects) and (effects.get("claim") == MOD_VS_DENSE).any() else None
-    changes = (dense_best.groupby("params")
-               .agg(depth=("depth", "first"), width=("width", "first"), lr_mult=("lr_mult", "first"),
+    changes = (dense_best.groupby("size", sort=False)
+               .agg(params=("params", "first"), depth=("depth", "first"), width=("width", "first"),
+                    lr_mult=("lr_mult", "first"),
                     peak_lr=("peak LR", "first"), weight_decay=("weight decay", "first"), steps=("steps", "mean"),
                     val_mean=("loss", "mean"), seeds=("seed", "nunique")).reset_index())
     changes.insert(changes.columns.get_loc("val_mean"), "val_compared",
-                   changes["params"].map(compared.groupby("params")["loss"].mean()))
-    changes = changes.merge(dense_sizes[["params", "lr grid", "bracketed"]], on="params")
+                   changes["size"].map(compared.groupby("size")["loss"].mean()))
+    changes = changes.merge(dense_sizes[["size", "lr grid", "bracketed"]], on="size")
+    changes = changes.sort_values("params", kind="stable").drop(columns="size").reset_index(drop=True)
     changes["bracketed"] = changes["bracketed"].map({True: "yes", False: "**no**"})
     agrees = c1 is None or c1 == best_dense
     out = ["## isoFLOP profiles", "",
@@ -496,8 +577,8 @@ def isoflop_lines(data: ReportData, dest: Path, effects: pd.DataFrame) -> tuple[
            "weight decay and the schedule are not. The profile is the optimum under these rules.", ""]
     mod = _mod_points(points, effects)
     others = points.merge(best[["arm", "seed"]], on=["arm", "seed"], how="left", indicator=True)
-    others = others[(others["_merge"] == "left_only") & (others["family"] == "dense") & (others["budget"] == budget)]
-    dense_fit = fits[fits["family"] == "dense"] if len(fits) else fits
+    others = others[(others["_merge"] == "left_only") & (others["family"] == DENSE) & (others["budget"] == budget)]
+    dense_fit = fits[fits["family"] == DENSE] if len(fits) else fits
     if len(dense_fit):
         fits.to_csv(dest / "isoflop_fits.csv", index=False)
         out += _fit_lines(fits, versus)
@@ -536,14 +617,14 @@ def _mod_points(points: pd.DataFrame, effects: pd.DataFrame) -> pd.DataFrame:
     if effects.empty or "claim" not in effects:
         return points.iloc[:0]
     arms = effects[effects["claim"] == MOD_VS_DENSE]["arm"].unique()
-    return points[points["arm"].isin(arms) & (points["variant"] != "dense")]
+    return points[points["arm"].isin(arms) & (points["variant"] != DENSE)]
 
 
 def c1_reference(effects: pd.DataFrame, done: pd.DataFrame) -> str | None:
     """The dense arm C1 compares against (its first row), else the best dense arm on validation."""
     if len(effects) and "claim" in effects and (effects["claim"] == MOD_VS_DENSE).any():
         return str(effects[effects["claim"] == MOD_VS_DENSE].iloc[0]["reference"])
-    dense = done[done["variant"] == "dense"]
+    dense = done[done["variant"] == DENSE]
     return str(dense.groupby("arm")[SELECT].mean().idxmin()) if len(dense) and SELECT in dense else None
 
 
@@ -563,6 +644,29 @@ def curve_lines(data: ReportData, dest: Path, reference: str | None) -> list[str
             f"over seeds, against training FLOPs and against training tokens; dashed in every panel: {drawn}"
             + (" (C1's reference)." if reference else " (the best dense arm)."), "",
             "![curves vs FLOPs](curves_flops.png)", "", "![curves vs tokens](curves_tokens.png)", ""]
+
+
+def preregistration(attrs: dict) -> dict:
+    """What the runner recorded of the claims' settings (``modbench.study.points.preregister``): the
+    settings, the commit and time they were fixed at, and any amendment since ({} when none)."""
+    record = attrs.get("preregistered")
+    if not record:
+        return {}
+    return {**record, "amendments": attrs.get("preregistration_amendments", [])}
+
+
+def preregistration_lines(registration: dict) -> list[str]:
+    """One line: when the claims' margins and primary contrasts were fixed, and whether they changed."""
+    if not registration:
+        return ["The claims' margins and primary contrasts were **not recorded before the data** (a study that "
+                "predates pre-registration): they may have been chosen after results were seen.", ""]
+    line = (f"Margins and primary contrasts were pre-registered at commit `{registration['commit'][:12]}` "
+            f"({registration['at']}), before the first confirmation trial")
+    amended = registration["amendments"]
+    if not amended:
+        return [line + ", and have not changed since.", ""]
+    listed = "; ".join(f"{', '.join(a['changed'])} at `{a['commit'][:12]}` ({a['at']})" for a in amended)
+    return [line + f"; **amended after that** (`--amend-claims`): {listed}.", ""]
 
 
 def protocol_lines(study, done: pd.DataFrame) -> list[str]:
@@ -591,11 +695,16 @@ def claims_sections(data: ReportData, dest: Path, tuning: TuningTable | None = N
     tuning = tuning_table(data, tuning)
     confirmed = confirmed_arms(tuning)
     claims, effects, tables = test_claims(done, data.study, confirmed)
+    claims = regime_gate(claims, effects, arms, base)
     compared = claims_module.confirmation_rows(done, data.study, confirmed)  # what the effects were computed on
     degenerate, flagged = degenerate_lines(compared, data.study)
     compute = compute_summary(data.trials)
     lines = regime_lines(arms, base) + protocol_lines(data.study, done)
     lines += [f"- {claim_sentence(c, effects)}" for c in claims] + ([""] if claims else [])
+    ties, tie_records = tie_lines(claims, effects, arms, data.study)
+    lines += ties
+    registration = preregistration(data.attrs)
+    lines += preregistration_lines(registration) if claims else []
     costs = measure_arms(data.uri, compared)
     lines += arm_cost_lines(arms, costs, flagged)
     control = claims_module.positive_control_line(claims)
@@ -611,7 +720,8 @@ def claims_sections(data: ReportData, dest: Path, tuning: TuningTable | None = N
     if len(effects):
         effects.to_csv(dest / "effects.csv", index=False)
     summary = {"version": SUMMARY_VERSION, "study": data.study.name, "headline_metric": HEADLINE,
-               "claims": [c.to_dict() for c in claims],
+               "claims": [{**c.to_dict(), "fixed_at_commit": registration.get("commit")} for c in claims],
+               "preregistration": registration, "ties": tie_records,
                "arms": arms.drop(columns=["variant"]).to_dict(orient="records"),
                "baselines": base["test"].to_dict(), "degenerate_arms": flagged, "compute": compute,
                "reference": isoflop.get("reference"), "isoflop": isoflop,

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from modbench.config.study import Arm, Study, canonical_arm
+from modbench.design.arm import ARM_KEYS, Arm
+from modbench.design.study_file import StudySpec
 from modbench.track.optuna_store import connect_storage, default_storage, trials_frame
+from modbench.design.vocabulary import DENSE
 
-ARM_KEYS = ("variant", "capacity", "pattern", "schedule", "lr_mult", "depth", "budget", "width", "control", "capacity_first",
-            "recursion", "recursions", "capacities")
 GROUP_KEYS = ("depth", "width", "budget", "lr_mult")
 FINAL_METRICS = (
     "val/causal_bpb", "val/dense_bpb", "val/causal_gap", "val/dense_gap", "val/causal_agreement",
@@ -29,34 +29,27 @@ FINAL_METRICS = (
 
 @dataclass
 class ReportData:
-    study: Study
+    study: StudySpec
     storage: str
     trials: pd.DataFrame  # every trial, any state
     done: pd.DataFrame  # COMPLETE trials with arm/group labels and final metrics
     curves: pd.DataFrame  # arm, variant, capacity, seed, step, flops, tokens, val/bpb
     tags: dict[str, str] = field(default_factory=dict)
     uri: str | None = None  # the MLflow tracking URI the runs were read from
+    attrs: dict = field(default_factory=dict)  # the Optuna study's user attributes (stages, pre-registration, …)
 
 
-def _int(x) -> int:
-    return 0 if x is None or (isinstance(x, float) and math.isnan(x)) else int(x)
-
-
-def _text(x) -> str:
-    return x if isinstance(x, str) else ""
+def missing(x) -> bool:
+    """A cell the trial did not store (None, NaN): the axis takes its default."""
+    return x is None or (isinstance(x, float) and math.isnan(x))
 
 
 def row_arm(row: pd.Series) -> Arm:
     """The study arm a trial (a row of the trials frame) ran."""
-    first = row.get("capacity_first")
-    return canonical_arm(row["variant"], row["capacity"], _text(row.get("pattern")) or "-",
-                         _text(row.get("schedule")) or "constant", row["lr_mult"], _int(row["depth"]), row["budget"],
-                         _int(row.get("width")), 0.0 if first is None or first != first else float(first),
-                         _text(row.get("control")), _text(row.get("recursion")) or "none",
-                         _int(row.get("recursions")) or 1, _text(row.get("capacities")))
+    return Arm.from_params({k: row[k] for k in ARM_KEYS if k in row and not missing(row[k])})
 
 
-def collect(study: Study, *, uri: str, storage: str | None = None, out_dir: str | Path = "runs/studies",
+def collect(study: StudySpec, *, uri: str, storage: str | None = None, out_dir: str | Path = "runs/studies",
             progress: bool = False) -> ReportData:
     url = storage or default_storage(study, out_dir)
     trials = trials_frame(study.name, url)
@@ -66,7 +59,7 @@ def collect(study: Study, *, uri: str, storage: str | None = None, out_dir: str 
     for key in ARM_KEYS:
         if key not in done:
             done[key] = None
-    done.loc[done.variant == "dense", ["capacity", "pattern", "schedule"]] = [1.0, "-", "constant"]
+    done.loc[done.variant == DENSE, ["capacity", "pattern", "schedule"]] = [1.0, "-", "constant"]
     done["capacity"] = done["capacity"].astype(float)
     done["lr_mult"] = done["lr_mult"].astype(float)
     varying = {k for k in ARM_KEYS if done[k].astype(str).nunique() > 1}
@@ -74,7 +67,18 @@ def collect(study: Study, *, uri: str, storage: str | None = None, out_dir: str 
     done["arm"] = [study.label(row_arm(r)) for _, r in done.iterrows()] if len(done) else pd.Series(dtype=str)
     done["group"] = done.apply(lambda r: " ".join(f"{k}={r[k]}" for k in GROUP_KEYS if k in varying) or "all", axis=1) if len(done) else pd.Series(dtype=str)
     curves, tags = _from_mlflow(done, study.name, uri, progress)
-    return ReportData(study, url, trials, done, curves, tags, uri)
+    return ReportData(study, url, trials, done, curves, tags, uri, study_attrs(study.name, url))
+
+
+def study_attrs(name: str, storage: str) -> dict:
+    """The Optuna study's user attributes (what the runner recorded: stages, pre-registration)."""
+    import optuna
+
+    rdb = connect_storage(storage)
+    try:
+        return dict(optuna.load_study(study_name=name, storage=rdb).user_attrs)
+    finally:
+        rdb.engine.dispose()
 
 
 def trial_times(name: str, storage: str) -> pd.DataFrame:

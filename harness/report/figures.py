@@ -30,9 +30,15 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.transforms import blended_transform_factory  # noqa: E402
 from scipy import stats  # noqa: E402
 
+from modbench.report.isoflop import sized  # noqa: E402
+
 DPI = 200
 MINUS = "\u2212"  # a true minus sign: a hyphen reads as a dash in a table of signed numbers
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+# The colour of each role: the baseline black, each random control a grey of its own. Written here, not
+# read from the registry, because the statistics path (tests/test_effects.py under .ci/min_versions.sh)
+# runs without torch, which the registry imports; tests/test_arm.py checks both against the registry's roles.
+DENSE = "dense"
 _CONTROL_GREYS = {"random": "0.45", "random_gated": "0.6", "random_mlp": "0.75"}
 
 
@@ -47,11 +53,11 @@ def variant_colors(variants: list[str]) -> dict[str, object]:
     """Stable colours: dense black, controls grey, learned variants from a grey-free palette in name
     order (distinct up to 18 learned variants in one figure)."""
     palette = _learned_palette()
-    learned = sorted(v for v in set(variants) if v != "dense" and v not in _CONTROL_GREYS)
+    learned = sorted(v for v in set(variants) if v != DENSE and v not in _CONTROL_GREYS)
     colors: dict[str, object] = {v: palette[i % len(palette)] for i, v in enumerate(learned)}
     colors.update({v: g for v, g in _CONTROL_GREYS.items() if v in variants})
-    if "dense" in variants:
-        colors["dense"] = "black"
+    if DENSE in variants:
+        colors[DENSE] = "black"
     return colors
 
 
@@ -157,7 +163,7 @@ def _seed_diffs(per_seed: pd.DataFrame | None, family: str, arm: str, reference:
 
 def best_dense_arm(curves: pd.DataFrame, y: str = "val_bpb") -> str | None:
     """The dense arm with the lowest final mean value: the strongest dense, never the weakest."""
-    dense = curves[curves["variant"] == "dense"]
+    dense = curves[curves["variant"] == DENSE]
     if dense.empty:
         return None
     runs = ["arm", "seed"] if "seed" in dense else ["arm"]  # each run's final value, then the mean over seeds
@@ -174,7 +180,7 @@ def small_multiples(curves: pd.DataFrame, png: Path, *, x: str = "flops", y: str
     other than the reference get their own panel."""
     reference = reference if reference is not None else best_dense_arm(curves, y)
     others = curves[curves["arm"] != reference]
-    variants = sorted(others["variant"].unique(), key=lambda v: (v == "dense", v)) or ["dense"]
+    variants = sorted(others["variant"].unique(), key=lambda v: (v == DENSE, v)) or [DENSE]
     colors = variant_colors(list(curves["variant"].unique()))
     markers = capacity_markers(curves["capacity"].unique())
     cols = min(3, len(variants))
@@ -220,14 +226,14 @@ def isoflop_profile(points: pd.DataFrame, fits: pd.DataFrame, png: Path, *, othe
     fig = Figure(figsize=(7.5, 6.5))
     ax = fig.add_subplot()
     families = list(points["family"].unique()) + (list(mod["variant"].unique()) if mod is not None else [])
-    colors = {"dense": "black", **variant_colors(families)}
+    colors = {DENSE: "black", **variant_colors(families)}
     styles = {b: s for b, s in zip(sorted(points["budget"].unique()), ("-", "--", ":", "-."))}
     if others is not None and len(others):
         ax.plot(others["params"], others["loss"], "x", color="0.7", ms=4, label="other LR multipliers tried (not the size's best)")
     for (family, budget), g in points.groupby(["family", "budget"]):
         color = colors.get(family, "tab:blue")
         ax.plot(g["params"], g["loss"], ".", color=color, alpha=0.5, ms=5)
-        mean = g.groupby("params")["loss"].mean()
+        mean = sized(g).groupby(["size", "params"])["loss"].mean().droplevel("size").sort_index()  # a size: an architecture
         ax.plot(mean.index, mean.values, "o", mfc="none", color=color, ms=7,
                 label=f"{family} at {budget:.2g} FLOPs: seeds (dots), mean (circle), each size at its best LR")
         # No fit at all (one dense size: nothing to fit) is an empty frame without columns.
@@ -264,7 +270,7 @@ def validation_curves(curves: pd.DataFrame, png: Path) -> Path:
         agg = g.groupby("step").agg(flops=("flops", "mean"), mean=("val/bpb", "mean"), std=("val/bpb", "std"),
                                     n=("val/bpb", "size"))
         color = palette[i % len(palette)]
-        ax.plot(agg.flops, agg["mean"], label=arm, color=color, lw=1.5, ls="--" if g["variant"].iloc[0] == "dense" else "-")
+        ax.plot(agg.flops, agg["mean"], label=arm, color=color, lw=1.5, ls="--" if g["variant"].iloc[0] == DENSE else "-")
         ok = agg.n > 1
         if ok.any():
             half = stats.t.ppf(0.975, agg.n[ok] - 1) * agg["std"][ok] / np.sqrt(agg.n[ok])
@@ -299,11 +305,11 @@ def pareto_scatter(arms: pd.DataFrame, x: str, xlabel: str, front: pd.Series, pn
 def capacity_vs_bpb(arms: pd.DataFrame, png: Path) -> Path:
     fig = Figure(figsize=(7, 5))
     ax = fig.add_subplot()
-    dense = arms[arms.variant == "dense"]
+    dense = arms[arms.variant == DENSE]
     for _, d in dense.iterrows():
         ax.axhline(d["mean"], color="black", ls="--", lw=1, label=f"dense ({d['arm']})" if len(dense) > 1 else "dense")
     colors = variant_colors(list(arms["variant"].unique()))
-    for variant, g in arms[arms.variant != "dense"].groupby("variant"):
+    for variant, g in arms[arms.variant != DENSE].groupby("variant"):
         g = g.sort_values("capacity")
         ax.errorbar(g.capacity, g["mean"], yerr=[g["mean"] - g["ci_low"].fillna(g["mean"]), g["ci_high"].fillna(g["mean"]) - g["mean"]],
                     marker="o", capsize=3, label=variant, color=colors[variant])
@@ -320,7 +326,7 @@ def throughput_bars(arms: pd.DataFrame, png: Path) -> Path:
     arms = arms.sort_values("tokens_per_s")
     fig = Figure(figsize=(7, max(3, 0.3 * len(arms) + 1)))
     ax = fig.add_subplot()
-    ax.barh(arms["arm"], arms["tokens_per_s"], color=["black" if v == "dense" else "tab:blue" for v in arms.variant])
+    ax.barh(arms["arm"], arms["tokens_per_s"], color=["black" if v == DENSE else "tab:blue" for v in arms.variant])
     ax.set_xlabel("training tokens / s (fastest seed)")
     ax.tick_params(axis="y", labelsize=7)
     ax.grid(alpha=0.3, axis="x")

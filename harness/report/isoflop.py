@@ -10,7 +10,8 @@ a MoD variant at one capacity) and budget:
   the mean over seeds where no seed is common to all), and whether that best value is
   *bracketed* (a worse multiplier trained on each side of it);
 - **the fit**: loss = a·u² + b·u + c in u = log10(parameters), ordinary least squares over the
-  seed means of the sizes (one point per size), residual df = sizes − 3;
+  seed means of the sizes (one point per size: a size is its architecture, not its parameter
+  count), residual df = sizes − 3;
 - **uncertainty from the fit's residuals**, not from seeds: s² = RSS / df, cov(a, b, c) =
   s²·(XᵀX)⁻¹, and the delta method for the optimum u* = −b / 2a and its loss c − b² / 4a, with
   a Student-t quantile at the residual df. With three sizes the parabola passes exactly through
@@ -57,25 +58,36 @@ class ProfileFit:
         return asdict(self)
 
 
+def sized(points: pd.DataFrame) -> pd.DataFrame:
+    """``points`` with a ``size`` column: its own, else each parameter count a size (a synthetic
+    profile, or the tuning stage's one model per depth)."""
+    return points if "size" in points else points.assign(size=points["params"].map(lambda p: f"{p:g} params"))
+
+
 def best_lr_points(points: pd.DataFrame, tuning_seed: int | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Each (family, budget, size) at its own best LR multiplier.
 
-    ``points``: family, budget, params, lr_mult, seed, loss (one row per trial). Returns the rows
-    at each size's best multiplier, and one row per size: the multipliers tried, the best, and
-    whether it is bracketed."""
+    ``points``: family, budget, size (the architecture, e.g. "L3 d160"), params, lr_mult, seed, loss
+    (one row per trial). A size is its architecture, never its parameter count: two models with one
+    count (a recursive model and a vanilla one) are two sizes. Returns the rows at each size's best
+    multiplier, and one row per size: the multipliers tried, the best, and whether it is bracketed."""
     keep, table = [], []
-    for (family, budget, params), g in points.groupby(["family", "budget", "params"]):
+    points = sized(points)
+    for (family, budget, size), g in points.groupby(["family", "budget", "size"], sort=False):
         best = _best_multiplier(g, tuning_seed)
         grid = sorted(g["lr_mult"].unique())
         keep.append(g[g["lr_mult"] == best])
-        table.append({"family": family, "budget": budget, "params": params, "lr grid": ", ".join(f"{m:g}" for m in grid),
+        table.append({"family": family, "budget": budget, "size": size, "params": g["params"].iloc[0],
+                      "lr grid": ", ".join(f"{m:g}" for m in grid),
                       "best lr_mult": best, "bracketed": 0 < grid.index(best) < len(grid) - 1,
                       "seeds at best": int((g["lr_mult"] == best).sum())})
-    columns = ["family", "budget", "params", "lr grid", "best lr_mult", "bracketed", "seeds at best"]
-    return (pd.concat(keep, ignore_index=True) if keep else points.iloc[:0]), pd.DataFrame(table, columns=columns)
+    columns = ["family", "budget", "size", "params", "lr grid", "best lr_mult", "bracketed", "seeds at best"]
+    table = pd.DataFrame(table, columns=columns).sort_values(["family", "budget", "params"], kind="stable")
+    return (pd.concat(keep, ignore_index=True) if keep else points.iloc[:0]), table.reset_index(drop=True)
 
 
-def dense_reference(best: pd.DataFrame, budget: float, tuning_seed: int | None) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+def dense_reference(best: pd.DataFrame, budget: float, tuning_seed: int | None, *,
+                    family: str) -> tuple[pd.DataFrame, pd.DataFrame, str]:
     """The dense profile at ``budget`` and its best model: (the dense rows at each size's best LR at
     that budget, the rows the sizes are compared on, the best arm).
 
@@ -83,7 +95,7 @@ def dense_reference(best: pd.DataFrame, budget: float, tuning_seed: int | None) 
     are compared on the same data: the tuning seed, which every size and multiplier ran and on which
     a tuned study chose C1's reference; a size's mean over more seeds is not comparable with
     another's single seed. Without a tuning seed (or rows on it), each size's mean over its seeds."""
-    dense = best[(best["family"] == "dense") & (best["budget"] == budget)]
+    dense = best[(best["family"] == family) & (best["budget"] == budget)]
     compared = dense[dense["seed"] == tuning_seed] if tuning_seed is not None else dense
     compared = compared if len(compared) else dense
     return dense, compared, str(compared.groupby("arm")["loss"].mean().idxmin()) if len(compared) else ""
@@ -106,9 +118,9 @@ def _design(u: np.ndarray) -> np.ndarray:
 def fit_profile(points: pd.DataFrame, family: str, budget: float) -> ProfileFit:
     """Fit one (family, budget) profile over the seed means of its sizes (``points`` already at
     each size's best LR: family, budget, params, loss)."""
-    g = points[(points["family"] == family) & (points["budget"] == budget)]
+    g = sized(points[(points["family"] == family) & (points["budget"] == budget)])
     g = g[np.isfinite(pd.to_numeric(g["loss"], errors="coerce"))]
-    means = g.groupby("params")["loss"].mean()
+    means = g.groupby(["size", "params"])["loss"].mean().droplevel("size").sort_index()  # one point per size
     if len(means) < MIN_SIZES:
         raise ModbenchError(f"isoFLOP profile {family} at {budget:g} FLOPs has {len(means)} model sizes: "
                             f"a parabola needs at least {MIN_SIZES}")
@@ -136,12 +148,13 @@ def fit_profile(points: pd.DataFrame, family: str, budget: float) -> ProfileFit:
                       l_lo, l_hi, l_se, inside, nearest, note)
 
 
-def profiles(points: pd.DataFrame, *, reference: str = "dense") -> tuple[pd.DataFrame, pd.DataFrame]:
+def profiles(points: pd.DataFrame, *, reference: str) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Every (family, budget) fit with at least three sizes, and each family's optimum loss minus
     the reference's at the same budget, with a CI only when both fits have residual df (standard
     errors combined in quadrature, t at the smaller df: conservative)."""
+    points = sized(points)
     fits = {key: fit_profile(points, *key) for key, g in points.groupby(["family", "budget"])
-            if g["params"].nunique() >= MIN_SIZES}
+            if g["size"].nunique() >= MIN_SIZES}
     rows = []
     for (family, budget), fit in fits.items():
         ref = fits.get((reference, budget))

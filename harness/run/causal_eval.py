@@ -17,16 +17,34 @@ Metrics (``causal_metrics``, used by ``modbench.run.evaluate``)
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from contextlib import nullcontext
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from modbench.variants import RunningMean
 
 from modbench.run.windows import windowed_forward
 from modbench.model.gpt import GPT, RoutedBlock
+
+
+# --- what every evaluation leaves as it found it ------------------------------------------------
+def kept_rng(device: torch.device):
+    """A block after which the global RNG (the CPU's, and ``device``'s when it is a GPU) is where it
+    was: the ``random`` control draws its scores from it, and evaluating must not shift training's draws."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
+@contextmanager
+def training_mode(model: nn.Module, on: bool) -> Iterator[None]:
+    """A block with ``model`` in training (``on``) or eval mode, its own mode restored after."""
+    was_training = model.training
+    model.train(on)
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 # --- calibration --------------------------------------------------------------------------
@@ -53,19 +71,17 @@ def calibrate_causal_rules(model: GPT, batches: Iterable[Tensor], *, autocast: t
     for stat in (m for r in routers for m in r.modules() if isinstance(m, RunningMean)):
         stat.reset()
     device = model.head.weight.device
-    was_training = model.training
-    model.train()
-    for r in routers:
-        r.calibrating = True
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for x in batches:
-                with autocast or nullcontext():
-                    model(x.to(device))
-    finally:
+    with training_mode(model, True):
         for r in routers:
-            r.calibrating = False
-        model.train(was_training)
+            r.calibrating = True
+        try:
+            with kept_rng(device):
+                for x in batches:
+                    with autocast or nullcontext():
+                        model(x.to(device))
+        finally:
+            for r in routers:
+                r.calibrating = False
 
 
 # --- train/inference gap metrics ----------------------------------------------------------
@@ -137,7 +153,7 @@ def leak_rate(model: GPT, x: Tensor, *, routing_mode: str = "topk", cuts: int = 
     noise = torch.randint(0, model.cfg.vocab_size, base.shape, generator=g)
     perturbed = torch.where(after, noise, base)
     device = model.head.weight.device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with kept_rng(device):
         torch.manual_seed(seed)
         a = model(base.to(device), routing_mode=routing_mode).logits
         torch.manual_seed(seed)
@@ -167,12 +183,8 @@ def causal_metrics(
     routed layer is the same model in every mode: its values are filled in, not measured.
     Runs in eval mode (a training-mode top-k forward would move the routers' calibration).
     """
-    was_training = model.training
-    model.eval()
-    try:
+    with training_mode(model, False):
         return _causal_metrics(model, x, y, batch_size, device, autocast, probe_windows)
-    finally:
-        model.train(was_training)
 
 
 def mode_loss(model: GPT, x: Tensor, y: Tensor, batch_size: int, device: torch.device,

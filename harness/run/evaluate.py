@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from modbench.model.gpt import GPT
-from modbench.run.causal_eval import causal_metrics, mode_loss
+from modbench.run.causal_eval import causal_metrics, kept_rng, mode_loss, training_mode
 from modbench.run.windows import windowed_forward
 
 
@@ -43,8 +43,7 @@ def evaluate(
     hard_labels: Tensor | None = None,
     modes: bool = False,
 ) -> dict[str, float]:
-    # The random control draws from the global RNG: evaluation must not shift training's draws.
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    with kept_rng(device), training_mode(model, False):
         result = _evaluate(model, x, y, batch_size, device, autocast, hard_labels)
         if modes:
             result.update(causal_metrics(model, x, y, batch_size=batch_size, device=device, autocast=autocast))
@@ -54,8 +53,6 @@ def evaluate(
 
 
 def _evaluate(model, x, y, batch_size, device, autocast, hard_labels) -> dict[str, float]:
-    was_training = model.training
-    model.eval()
     want_routing = hard_labels is not None and bool(model.routers)
     model.set_collect_stats(want_routing)
     total, count = 0.0, 0
@@ -75,7 +72,6 @@ def _evaluate(model, x, y, batch_size, device, autocast, hard_labels) -> dict[st
                     chosen[layer] += sel.sum().item()
     finally:
         model.set_collect_stats(False)
-        model.train(was_training)
     loss = total / count
     result = {"loss": loss, "bpb": loss / math.log(2)}
     if want_routing:
@@ -108,12 +104,7 @@ def evaluate_causal(
     """
     if not model.routers:
         return {"causal_bpb": topk_bpb, "causal_fraction": 1.0, "causal_gap": 0.0}
-    was_training = model.training
-    model.eval()  # a training-mode forward would move the routers' calibration
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            loss, processed, total = mode_loss(model, x, y, batch_size, device, autocast, "causal")
-    finally:
-        model.train(was_training)
+    with training_mode(model, False), kept_rng(device):  # a training-mode forward would move the routers' calibration
+        loss, processed, total = mode_loss(model, x, y, batch_size, device, autocast, "causal")
     causal = loss / math.log(2)  # as causal_metrics: one series with the final value
     return {"causal_bpb": causal, "causal_fraction": processed / total if total else 1.0, "causal_gap": causal - topk_bpb}

@@ -9,19 +9,24 @@ A study file may add arms and seeds to a study; the settings every trial shares
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import optuna
 
 from modbench.config.run import RunConfig
-from modbench.config.study import Arm, Range, Study, canonical_arm
+from modbench.design.arm import DENSE_IGNORES, SAMPLED_KEYS, Arm, Range
+from modbench.design.vocabulary import DENSE
+from modbench.design.study_file import StudySpec
 from modbench.errors import ModbenchError, redact
-from modbench.model.sizing import study_arms
+from modbench.design.controls import study_arms
 
 FIXED_ATTR = "fixed_settings"  # what every trial shares (model, train, options, objectives)
+PREREGISTERED_ATTR = "preregistered"  # the claims' decision settings, fixed before the first confirmation trial
+AMENDMENTS_ATTR = "preregistration_amendments"  # changes made after that with --amend-claims (the report lists them)
 
 
-def fixed_settings(study: Study) -> dict[str, str]:
+def fixed_settings(study: StudySpec) -> dict[str, str]:
     """The settings every trial shares; a study file may add arms and seeds, never change these."""
     return {**{f"base.{k}": repr(v) for k, v in study.base.to_dict().items()
                if k not in ("train.seed", "train.out_dir", "train.run_name", "train.experiment", "train.track")},
@@ -31,7 +36,7 @@ def fixed_settings(study: Study) -> dict[str, str]:
             **({"study.tune": repr(study.tune)} if study.tune.lr_mult else {})}
 
 
-def refuse_changed_fixed_settings(optuna_study: optuna.Study, s: Study, storage_url: str) -> None:
+def refuse_changed_fixed_settings(optuna_study: optuna.Study, s: StudySpec, storage_url: str) -> None:
     before = optuna_study.user_attrs.get(FIXED_ATTR)
     if before is None:
         return  # a study created before modbench recorded them
@@ -48,7 +53,41 @@ def refuse_changed_fixed_settings(optuna_study: optuna.Study, s: Study, storage_
         )
 
 
-def queue_new_grid_points(optuna_study: optuna.Study, s: Study) -> None:
+def claim_settings(study: StudySpec) -> dict[str, dict[str, Any]]:
+    """How each claim is decided (``[claims.<kind>]``): margins, primary contrasts, seed rules, the
+    positive control; what a pre-registration fixes."""
+    return {kind: asdict(settings) for kind, settings in sorted(study.claim_settings.items())}
+
+
+def preregister(optuna_study: optuna.Study, s: StudySpec, commit: str, at: str) -> None:
+    """Record the claims' settings, the commit and the time, once (before the first confirmation trial)."""
+    if PREREGISTERED_ATTR not in optuna_study.user_attrs:
+        optuna_study.set_user_attr(PREREGISTERED_ATTR, {"claims": claim_settings(s), "commit": commit, "at": at,
+                                                        "study_file_sha256": s.file_sha256})
+
+
+def check_preregistration(optuna_study: optuna.Study, s: StudySpec, *, amend: bool, commit: str, at: str) -> None:
+    """A study file whose claim settings differ from the pre-registered ones is refused, unless
+    ``amend`` (``--amend-claims``): then the change is recorded, and the report shows it."""
+    record = optuna_study.user_attrs.get(PREREGISTERED_ATTR)
+    if record is None:
+        return
+    amendments = optuna_study.user_attrs.get(AMENDMENTS_ATTR, [])
+    current = amendments[-1]["claims"] if amendments else record["claims"]
+    now = claim_settings(s)
+    if now == current:
+        return
+    changed = sorted(k for k in set(now) | set(current) if now.get(k) != current.get(k))
+    if not amend:
+        raise ModbenchError(
+            f"{s.path} changes the claim settings of study {s.name!r} ({', '.join(f'[claims.{k}]' for k in changed)}), "
+            f"which were pre-registered at commit {record['commit'][:12]} before its first confirmation trial: "
+            "restore them, or pass --amend-claims to change them on the record (the report lists every amendment)")
+    optuna_study.set_user_attr(AMENDMENTS_ATTR, [*amendments, {"claims": now, "changed": changed, "commit": commit,
+                                                               "at": at}])
+
+
+def queue_new_grid_points(optuna_study: optuna.Study, s: StudySpec) -> None:
     """Arms or seeds added to the study file since the study was created are queued now."""
     # Keyed by the arm's params, not its label: a label names what usually varies, and two arms
     # of an isoFLOP grid (other depth or budget) can share one.
@@ -57,7 +96,7 @@ def queue_new_grid_points(optuna_study: optuna.Study, s: Study) -> None:
     arms = study_arms(s)
     for seed in s.settings.seeds:  # seed-major, as at creation
         for arm in arms:
-            if (_key(arm_params(arm)), seed) not in have:
+            if (_key(arm.params()), seed) not in have:
                 optuna_study.enqueue_trial({}, user_attrs=grid_attrs(arm, seed, s.label(arm)))
 
 
@@ -65,33 +104,12 @@ def _key(params: dict[str, Any] | None) -> tuple:
     return tuple(sorted((k, str(v)) for k, v in (params or {}).items()))
 
 
-def arm_params(arm: Arm) -> dict[str, Any]:
-    """Optuna params of an arm; dense has no capacity, pattern or schedule (conditional space)."""
-    params = {"variant": arm.variant}
-    if arm.variant != "dense":
-        params.update(capacity=arm.capacity, pattern=arm.pattern, schedule=arm.schedule)
-    params.update(lr_mult=arm.lr_mult, depth=arm.depth, budget=arm.budget)
-    if arm.width:
-        params["width"] = arm.width
-    if arm.capacity_first:
-        params["capacity_first"] = arm.capacity_first
-    # Only when set, like width and capacity_first: a vanilla arm's params (its identity in a
-    # study's storage) stay what they were before arms could be recursive.
-    if arm.recursion != "none":
-        params.update(recursion=arm.recursion, recursions=arm.recursions)
-    if arm.capacities:
-        params["capacities"] = arm.capacities
-    if arm.control:
-        params["control"] = arm.control
-    return params
-
-
 def grid_attrs(arm: Arm, seed: int, label: str, stage: str = "") -> dict[str, Any]:
     """A grid point as trial user attributes. A grid samples nothing, so its arm is not an Optuna
     param: params would fix the study's search space at creation, and an arm added to the study
     file later could not be queued (Optuna refuses new categorical choices). ``stage``: the
     tuning stage that queued it (``modbench.study.tuning``), for studies with [tune]."""
-    return {"seed": seed, "arm": label, "arm_params": arm_params(arm), **({"stage": stage} if stage else {})}
+    return {"seed": seed, "arm": label, "arm_params": arm.params(), **({"stage": stage} if stage else {})}
 
 
 def point_attrs(user_attrs: dict[str, Any]) -> dict[str, Any]:
@@ -99,24 +117,15 @@ def point_attrs(user_attrs: dict[str, Any]) -> dict[str, Any]:
     return {k: user_attrs[k] for k in ("seed", "arm", "arm_params", "stage") if k in user_attrs}
 
 
-def arm_of(trial: optuna.Trial, study: Study) -> Arm:
+def arm_of(trial: optuna.Trial, study: StudySpec) -> Arm:
     """The trial's arm: from its grid attributes, else suggested by the sampler."""
     fixed = trial.user_attrs.get("arm_params")
     if fixed is None:
         return suggest_arm(trial, study)
-    return arm_from_params(fixed)
+    return Arm.from_params(fixed)
 
 
-def arm_from_params(fixed: dict[str, Any]) -> Arm:
-    """The arm of ``arm_params`` (a grid point's attributes, or a row of the trials frame)."""
-    dense = fixed["variant"] == "dense"
-    return canonical_arm(fixed["variant"], 1.0 if dense else fixed["capacity"], "-" if dense else fixed["pattern"],
-                         "constant" if dense else fixed["schedule"], fixed["lr_mult"], fixed["depth"], fixed["budget"],
-                         fixed.get("width", 0), fixed.get("capacity_first", 0.0), fixed.get("control", ""),
-                         fixed.get("recursion", "none"), fixed.get("recursions", 1), fixed.get("capacities", ""))
-
-
-def suggest_arm(trial: optuna.Trial, study: Study) -> Arm:
+def suggest_arm(trial: optuna.Trial, study: StudySpec) -> Arm:
     space = study.space
 
     def pick(name: str):
@@ -128,8 +137,9 @@ def suggest_arm(trial: optuna.Trial, study: Study) -> Arm:
             return choices[0]
         return trial.suggest_categorical(name, choices)
 
-    variant = pick("variant")
-    capacity, pattern, schedule = (1.0, "-", "constant") if variant == "dense" else (pick("capacity"), pick("pattern"), pick("schedule"))
-    # A sampled space has one recursion (the [model]'s: modbench.config.study refuses more)
-    return canonical_arm(variant, capacity, pattern, schedule, pick("lr_mult"), pick("depth"), pick("budget"),
-                         recursion=space["recursion"][0], recursions=space["recursions"][0])
+    axes: dict[str, Any] = {}
+    for name in SAMPLED_KEYS:  # in declared order (the sampler sees the same parameters in the same order)
+        if not (axes.get("variant") == DENSE and name in DENSE_IGNORES):  # a conditional space: dense has none
+            axes[name] = pick(name)
+    # A sampled space has one recursion (the [model]'s: modbench.design.study_file refuses more)
+    return Arm(**axes, recursion=space["recursion"][0], recursions=space["recursions"][0])

@@ -26,7 +26,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import math
 import os
@@ -45,15 +44,18 @@ from optuna.trial import TrialState
 from modbench import interrupts
 from modbench.errors import ModbenchError, redact
 from modbench.results import RunRecord
-from modbench.config.study import Arm, Study, load_study
-from modbench.model.sizing import study_arms
+from modbench.design.arm import Arm
+from modbench.design.study_file import StudySpec, load_study
+from modbench.design.controls import study_arms
 from modbench.study.points import (
-    FIXED_ATTR, arm_from_params, arm_of, fixed_settings, grid_attrs, point_attrs, queue_new_grid_points,
+    FIXED_ATTR, arm_of, check_preregistration, preregister, fixed_settings, grid_attrs, point_attrs, queue_new_grid_points,
     refuse_changed_fixed_settings, suggest_arm,
 )
 from modbench.study import tuning
 from modbench.track.checkpoint import check_writable
-from modbench.track.optuna_store import PARENT_ATTR, connect_storage, default_storage, study_dir, with_fail_reason
+from modbench.track.provenance import git_sha
+from modbench.track.optuna_store import (PARENT_ATTR, advisory_lock, connect_storage, default_storage, file_lock,
+                                        study_dir, with_fail_reason)
 from modbench.track.tracking import RunTracker, Tracker, fail_stale_runs
 from modbench.run.train import train
 
@@ -80,28 +82,14 @@ def stage_lock(url: str, name: str):
     """
     if url.startswith("sqlite:///") and ":memory:" not in url:
         db = Path(url.removeprefix("sqlite:///"))
-        with open(db.with_name(f"{db.name}.{name}.stages.lock"), "a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        with file_lock(db.with_name(f"{db.name}.{name}.stages.lock")):
+            yield
     elif url.startswith("sqlite://"):  # in memory: one process, no other worker can see it
         yield
     elif url.startswith("postgresql"):
-        import sqlalchemy as sa
-
         key = int.from_bytes(hashlib.sha256(f"modbench.stages.{name}".encode()).digest()[:8], "big", signed=True)
-        engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-        try:
-            with engine.connect() as conn:
-                conn.execute(sa.text("SELECT pg_advisory_lock(:key)"), {"key": key})
-                try:
-                    yield
-                finally:
-                    conn.execute(sa.text("SELECT pg_advisory_unlock(:key)"), {"key": key})
-        finally:
-            engine.dispose()
+        with advisory_lock(url, key):
+            yield
     else:
         check_stage_storage(url)
 
@@ -196,7 +184,7 @@ def open_storage(url: str, experiment: str, *, runs: RunDestination, heartbeat: 
                                heartbeat_stale_trial_callback=on_stale)
 
 
-def make_sampler(study: Study) -> optuna.samplers.BaseSampler:
+def make_sampler(study: StudySpec) -> optuna.samplers.BaseSampler:
     seed = study.settings.seeds[0]
     return {
         "grid": lambda: optuna.samplers.RandomSampler(seed=seed),  # never consulted: every grid trial is queued
@@ -206,7 +194,7 @@ def make_sampler(study: Study) -> optuna.samplers.BaseSampler:
     }[study.settings.sampler]()
 
 
-def make_pruner(study: Study) -> optuna.pruners.BasePruner:
+def make_pruner(study: StudySpec) -> optuna.pruners.BasePruner:
     return {
         "none": optuna.pruners.NopPruner,
         "median": lambda: optuna.pruners.MedianPruner(n_startup_trials=len(study.settings.seeds), n_warmup_steps=1),
@@ -214,7 +202,7 @@ def make_pruner(study: Study) -> optuna.pruners.BasePruner:
     }[study.settings.pruner]()
 
 
-def objective_values(study: Study, record: RunRecord) -> list[float]:
+def objective_values(study: StudySpec, record: RunRecord) -> list[float]:
     """The study's objectives, read from the run's record by their declared names."""
     return [record.value(o) for o in study.settings.objectives]
 
@@ -227,13 +215,15 @@ def intermediate_metric(objective: str) -> str:
 
 
 class Runner:
-    def __init__(self, study: Study, storage_url: str, out_dir: Path, *, tracking_uri: str, heartbeat: int,
-                 grace: int, offline_runs: Path | None = None, deadline: float | None = None) -> None:
+    def __init__(self, study: StudySpec, storage_url: str, out_dir: Path, *, tracking_uri: str, heartbeat: int,
+                 grace: int, offline_runs: Path | None = None, deadline: float | None = None,
+                 amend_claims: bool = False) -> None:
         self.study = study
         self.out_dir = out_dir
         self.storage_url = storage_url
         self.runs = runs = RunDestination(tracking_uri, offline_runs)
         self.deadline = deadline  # seconds since the epoch: no trial starts that would end after it
+        self.amend_claims = amend_claims  # a change of the pre-registered claim settings is recorded, not refused
         self.interrupted: str | None = None  # which trial a Ctrl-C / SIGTERM re-queued
         if study.tune.lr_mult:
             check_stage_storage(storage_url)
@@ -267,6 +257,7 @@ class Runner:
             if study.directions != [optuna.study.StudyDirection.MINIMIZE if d == "minimize" else optuna.study.StudyDirection.MAXIMIZE for d in s.directions]:
                 raise ModbenchError(f"study {s.name!r} in {self.storage_url} has other objectives than {s.path}: give the study a new name")
             refuse_changed_fixed_settings(study, s, self.storage_url)
+            check_preregistration(study, s, amend=self.amend_claims, commit=git_sha(), at=_now())
             deadline = time.monotonic() + CREATION_WAIT_S
             while PARENT_ATTR not in study.user_attrs:  # a worker that lost the creation race waits
                 if time.monotonic() > deadline:
@@ -301,6 +292,7 @@ class Runner:
         if s.tune.lr_mult:
             self._advance(study)  # the first stage (tune); the later ones follow the trials
         elif s.settings.sampler == "grid":
+            preregister(study, s, git_sha(), _now())  # no tuning: every trial is a confirmation trial
             # Seed-major: every arm's seed 0 first, so a study stopped early compares arms on the same seeds.
             arms = study_arms(s)
             for seed in s.settings.seeds:
@@ -334,7 +326,7 @@ class Runner:
             arm = arm_of(trial, s)
         cfg = s.run_config(arm, seed, out_dir=str(study_dir(s, self.out_dir) / "trials"), run_name=f"trial-{trial.number}",
                            experiment=s.name, track=True)  # tracked, through the tracker passed to train
-        # modbench.role: "trial" here, "study" on the parent run: the README's chart filter keeps the
+        # modbench.role: "trial" here, "study" on the parent run: the chart filter (docs/studies.md) keeps the
         # parent (no arm, no curves) out of the arms' charts, where it would be an "Unassigned" series.
         tags = {"modbench.study": s.name, "modbench.role": TRIAL_ROLE, "optuna.trial_number": str(trial.number),
                 "modbench.arm": s.label(arm), "modbench.seed": str(seed), "optuna.state": "RUNNING"}
@@ -356,7 +348,7 @@ class Runner:
         with tracker:
             trial.set_user_attr("mlflow_run_id", tracker.run_id)
             trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
-            tracker.log_params({"trial.number": trial.number, "trial.seed": seed, **{f"arm.{k}": v for k, v in arm.params().items()}})
+            tracker.log_params({"trial.number": trial.number, "trial.seed": seed, **{f"arm.{k}": v for k, v in arm.to_dict().items()}})
             try:
                 interrupts.check()  # asked to stop while the run opened: this trial waits for the re-run
                 result = train(cfg, tracker=tracker, progress=False, on_eval=report)
@@ -429,8 +421,8 @@ class Runner:
             value = attrs.get(tuning.SELECT, t.values[0] if complete and t.values else None) if complete else None
             headline = attrs.get(tuning.HEADLINE) if complete else None
             reason = attrs.get("fail_reason") or ("worker lost (no heartbeat)" if t.state == TrialState.FAIL else "")
-            out.append(tuning.TrialPoint(arm_from_params(attrs["arm_params"]), int(attrs["seed"]), t.state.name,
-                                         attrs.get("stage", ""), _finite_or_none(value), _finite_or_none(headline), reason))
+            out.append(tuning.TrialPoint(Arm.from_params(attrs["arm_params"]), int(attrs["seed"]), t.state.name,
+                                         attrs.get("stage", ""), tuning.finite_or_none(value), tuning.finite_or_none(headline), reason))
         return out
 
     def _advance(self, study: optuna.Study) -> str:
@@ -446,6 +438,8 @@ class Runner:
                 if step.stage == tuning.COMPLETE:
                     study.set_user_attr(STAGES_DONE_ATTR, True)
                     return "complete"
+                if step.stage == tuning.CONFIRM and step.queue:  # the claims' settings are fixed from here on
+                    preregister(study, self.study, git_sha(), _now())
                 for arm, seed in step.queue:
                     study.enqueue_trial({}, user_attrs=grid_attrs(arm, seed, self.study.label(arm), step.stage))
                 # Recorded after the trials: a worker that dies in between leaves trials queued and
@@ -544,12 +538,8 @@ class Runner:
         return time.time() + longest_trial_s(self.optuna) > self.deadline
 
 
-def _finite_or_none(x: Any) -> float | None:
-    try:
-        x = float(x)
-    except (TypeError, ValueError):
-        return None
-    return x if math.isfinite(x) else None
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def longest_trial_s(study: optuna.Study) -> float:
@@ -600,9 +590,11 @@ class _Progress:
 
 def run_study(path: str | Path, *, storage: str | None = None, out_dir: str | Path = "runs/studies",
               n_trials: int | None = None, progress: bool = True, heartbeat: int = 10, grace: int = 30,
-              tracking_uri: str, offline_runs: Path | None = None, deadline: float | None = None) -> StudyOutcome:
+              tracking_uri: str, offline_runs: Path | None = None, deadline: float | None = None,
+              amend_claims: bool = False) -> StudyOutcome:
     """Run (or resume) a study in this process (module docstring); ``offline_runs``: log runs to
-    files there instead of MLflow; ``deadline``: start no trial that would end after it (epoch s)."""
+    files there instead of MLflow; ``deadline``: start no trial that would end after it (epoch s);
+    ``amend_claims``: record a change of the pre-registered claim settings instead of refusing it."""
     study = load_study(path)
     if n_trials is not None and n_trials < 1:
         raise ModbenchError(f"--n-trials must be >= 1, got {n_trials}")
@@ -611,7 +603,7 @@ def run_study(path: str | Path, *, storage: str | None = None, out_dir: str | Pa
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # failed trials get our one line, not a traceback
     t0 = time.monotonic()
     runner = Runner(study, url, Path(out_dir), tracking_uri=tracking_uri, heartbeat=heartbeat, grace=grace,
-                    offline_runs=offline_runs, deadline=deadline)
+                    offline_runs=offline_runs, deadline=deadline, amend_claims=amend_claims)
     timeout = study.settings.timeout_s or None
     try:
         with interrupts.deferred():

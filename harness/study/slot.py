@@ -45,7 +45,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +101,7 @@ def run_slot(study_file: str, *, settings: SlotSettings, archive: Path, out_dir:
              resume: Path | None = None, log=print) -> SlotOutcome:
     """Run (or resume) ``study_file`` with ``settings.workers`` workers until it is complete or
     the deadline nears, then write ``archive`` (module docstring)."""
-    from modbench.config.study import load_study
+    from modbench.design.study_file import load_study
 
     settings.check()
     study = load_study(study_file)  # a bad study file fails here, before anything is created
@@ -114,7 +114,7 @@ def run_slot(study_file: str, *, settings: SlotSettings, archive: Path, out_dir:
     log(f"slot: study {study.name}, {settings.workers} workers, trials start until "
         f"{(deadline - start) / 60:.1f} min; stop and archive by {settings.minutes:g} min")
     code = _run_workers(study, folder, settings, deadline, log)
-    counts = _counts(study.name, folder / STORE)
+    counts = trial_counts(study.name, folder / STORE)
     call = {"started": _iso(start), "wall_s": round(time.time() - start, 1), "workers": settings.workers,
             "minutes": settings.minutes, "worker_exit_codes": code, "trials": counts, **_machine()}
     write_archive(folder, study, archive, call=call, checkpoint_mib=settings.checkpoint_mib)
@@ -186,7 +186,8 @@ def _stop(procs: list[subprocess.Popen], *, grace_s: float, log) -> None:
 
 
 def _counts(name: str, store: Path) -> dict[str, int]:
-    """Trials by state, read with sqlite3 (no Optuna in the parent: it only watches)."""
+    """Trials by state for the progress line, read with sqlite3 while the workers write (a cheap
+    look: surplus trials, pruned when a worker found the queue empty, are counted too)."""
     if not store.is_file():
         return {}
     try:
@@ -196,6 +197,16 @@ def _counts(name: str, store: Path) -> dict[str, int]:
     except sqlite3.Error:
         return {}
     return {str(state): int(n) for state, n in rows}
+
+
+def trial_counts(name: str, store: Path) -> dict[str, int]:
+    """Trials by state as ``modbench study status`` counts them (surplus and re-queued ones left out)."""
+    from modbench.track.optuna_store import trials_frame
+
+    if not store.is_file():
+        return {}
+    frame = trials_frame(name, f"sqlite:///{store.resolve()}")
+    return {str(k): int(v) for k, v in frame["state"].value_counts().items()} if len(frame) else {}
 
 
 def _machine() -> dict[str, str]:
@@ -274,8 +285,6 @@ def _stage_runs(src: Path, dst: Path, store: Path, study, checkpoint_mib: float)
 
 def _write_weights(src: Path, dst: Path) -> int:
     """The checkpoint without its optimizer and RNG states (what report and generate read)."""
-    import torch
-
     from modbench.track.checkpoint import load_checkpoint, save_checkpoint
 
     state = load_checkpoint(src)

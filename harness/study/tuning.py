@@ -37,10 +37,12 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import pandas as pd
 
-from modbench.config.study import Arm, Study, TuneSettings, canonical_arm
-from modbench.model.sizing import non_embedding_params, study_arms
-from modbench.report.claims import (CONTROL_VARIANTS, HEADLINE, METHODS_REFERENCE, POSITIVE_CONTROL, RANDOM_CONTROL,
-                                    SELECT)
+from modbench.design.arm import ARM_KEYS, Arm
+from modbench.design.study_file import StudySpec, TuneSettings
+from modbench.model.sizing import non_embedding_params
+from modbench.design.controls import study_arms
+from modbench.design.vocabulary import (CONTROL_VARIANTS, DENSE, HEADLINE, METHODS_REFERENCE, POSITIVE_CONTROL,
+                                        RANDOM_CONTROL, SELECT)
 
 TUNE, EXTEND, OPTIMUM, CONFIRM, SEEDS, COMPLETE = "tune", "extend", "optimum", "confirm", "seeds", "complete"
 TUNING_STAGES = (TUNE, EXTEND, OPTIMUM)  # trials on the tuning seed
@@ -75,11 +77,6 @@ class Plan:
     stage: str
     queue: tuple[tuple[Arm, int], ...] = ()
     record: dict[str, Any] = field(default_factory=dict)  # what the stage decided (a study user attr)
-
-
-def family_of(arm: Arm) -> Arm:
-    """The family an arm belongs to: the arm at lr×1 (the family's name is its label)."""
-    return replace(arm, lr_mult=1.0)
 
 
 def _fmt(v: float) -> str:
@@ -118,16 +115,9 @@ def decide(values: dict[float, float | None], tune: TuneSettings, reasons: dict[
 
 
 # --- which families the protocol tunes, and which follow another family's best value ----------
-def declared_families(study: Study) -> list[Arm]:
+def declared_families(study: StudySpec) -> list[Arm]:
     """Every family of the study's grid (declared arms and derived controls), at lr×1."""
-    return list(dict.fromkeys(family_of(a) for a in study_arms(study)))
-
-
-def _same_shape(a: Arm, b: Arm) -> bool:
-    return (a.capacity, a.capacity_first, a.pattern, a.schedule, a.depth, a.width, a.budget, a.recursion, a.recursions,
-            a.capacities) == \
-        (b.capacity, b.capacity_first, b.pattern, b.schedule, b.depth, b.width, b.budget, b.recursion, b.recursions,
-         b.capacities)
+    return list(dict.fromkeys(a.family for a in study_arms(study)))
 
 
 def leader_of(family: Arm, families: Iterable[Arm]) -> Arm | None:
@@ -136,28 +126,28 @@ def leader_of(family: Arm, families: Iterable[Arm]) -> Arm | None:
     if family.variant not in CONTROL_VARIANTS or family.control:
         return None
     learned = [v for v, c in RANDOM_CONTROL.items() if c == family.variant]
-    return next((f for f in families if f.variant in learned and _same_shape(f, family)), None)
+    return next((f for f in families if f.variant in learned and f.shape == family.shape), None)
 
 
-def tuned_families(study: Study, points: Iterable[TrialPoint] = ()) -> list[Arm]:
+def tuned_families(study: StudySpec, points: Iterable[TrialPoint] = ()) -> list[Arm]:
     """The families that get the grid: every declared family that follows no other, and the
     fitted dense optimum when the ``optimum`` stage added one (found by its trials on the tuning
     seed: followers and the positive control run the confirmation seeds only, so every family
     with a trial on the tuning seed is a tuned one)."""
     declared = declared_families(study)
     out = [f for f in declared if leader_of(f, declared) is None]
-    out += [family_of(p.arm) for p in points if p.seed == study.tune.seed and leader_of(family_of(p.arm), declared) is None]
+    out += [p.arm.family for p in points if p.seed == study.tune.seed and leader_of(p.arm.family, declared) is None]
     return list(dict.fromkeys(out))
 
 
 def _plain_dense(f: Arm) -> bool:
     """A dense size of the isoFLOP comparison: a vanilla dense model, neither a derived control nor
     recursive (a recursive dense model is a family of its own, confirmed whichever size is best)."""
-    return f.variant == "dense" and not f.control and f.recursion == "none"
+    return f.variant == DENSE and not f.control and f.recursion == "none"
 
 
 def _learned(f: Arm) -> bool:
-    return f.variant != "dense" and f.variant not in CONTROL_VARIANTS
+    return f.variant != DENSE and f.variant not in CONTROL_VARIANTS
 
 
 # --- reading the trials ----------------------------------------------------------------------
@@ -167,7 +157,7 @@ def _tuning_values(points: list[TrialPoint], family: Arm, seed: int) -> tuple[di
     values: dict[float, float | None] = {}
     reasons: dict[float, str] = {}
     for p in points:
-        if p.seed != seed or family_of(p.arm) != family or p.state not in FINISHED:
+        if p.seed != seed or p.arm.family != family or p.state not in FINISHED:
             continue
         v = p.arm.lr_mult
         if p.state == "COMPLETE" and p.value is not None and math.isfinite(p.value):
@@ -178,7 +168,7 @@ def _tuning_values(points: list[TrialPoint], family: Arm, seed: int) -> tuple[di
     return values, reasons
 
 
-def decisions(study: Study, points: list[TrialPoint]) -> dict[Arm, Decision]:
+def decisions(study: StudySpec, points: list[TrialPoint]) -> dict[Arm, Decision]:
     """Every tuned family's bracketing state on the tuning seed."""
     out = {}
     for family in tuned_families(study, points):
@@ -196,11 +186,11 @@ def _missing(wanted: Iterable[tuple[Arm, int]], points: list[TrialPoint]) -> tup
     return tuple(dict.fromkeys(w for w in wanted if w not in have))
 
 
-def confirm_seeds(study: Study) -> list[int]:
+def confirm_seeds(study: StudySpec) -> list[int]:
     return [s for s in study.settings.seeds if s != study.tune.seed]
 
 
-def best_dense(study: Study, dec: dict[Arm, Decision], points: list[TrialPoint], budget: str) -> Arm | None:
+def best_dense(study: StudySpec, dec: dict[Arm, Decision], points: list[TrialPoint], budget: str) -> Arm | None:
     """The isoFLOP-best dense family at ``budget``: the plain dense family (every size trained,
     the fitted optimum included) whose best value on the tuning seed is lowest."""
     scored = []
@@ -211,7 +201,7 @@ def best_dense(study: Study, dec: dict[Arm, Decision], points: list[TrialPoint],
     return min(scored, key=lambda x: x[0])[1] if scored else None
 
 
-def best_arms(study: Study, points: list[TrialPoint]) -> dict[Arm, Arm]:
+def best_arms(study: StudySpec, points: list[TrialPoint]) -> dict[Arm, Arm]:
     """Family → the arm the confirmation seeds run: tuned families at their best value, random
     controls at their leader's, the positive control at the best dense model's. Families with no
     best value (every trial failed) are left out."""
@@ -231,15 +221,14 @@ def best_arms(study: Study, points: list[TrialPoint]) -> dict[Arm, Arm]:
     settings = study.claim_settings.get("mod_vs_best_dense")
     reference = dense_best.get(study.base.train.budget)
     if settings and settings.positive_control and reference is not None and reference in out:
-        control = canonical_arm("dense", 1.0, "-", "constant", out[reference].lr_mult, reference.depth,
-                                settings.positive_control, reference.width,
-                                control=f"{POSITIVE_CONTROL}: {study.label(reference)} at {settings.positive_control}")
-        out[family_of(control)] = control
+        control = replace(out[reference], budget=settings.positive_control,  # the same model, a smaller budget
+                          control=f"{POSITIVE_CONTROL}: {study.label(reference)} at {settings.positive_control}")
+        out[control.family] = control
     return out
 
 
 # --- the isoFLOP optimum -----------------------------------------------------------------------
-def fitted_optimum(study: Study, points: list[TrialPoint]) -> tuple[Arm | None, dict[str, Any]]:
+def fitted_optimum(study: StudySpec, points: list[TrialPoint]) -> tuple[Arm | None, dict[str, Any]]:
     """The dense depth nearest (in log parameters) to the isoFLOP parabola's optimum over the
     plain dense sizes at the study's budget, each at its best value; None when that depth is
     already a size (or the fit has no interior optimum, or fewer than three sizes finished)."""
@@ -251,25 +240,25 @@ def fitted_optimum(study: Study, points: list[TrialPoint]) -> tuple[Arm | None, 
     for f, d in dec.items():
         if _plain_dense(f) and f.budget == budget and d.best is not None:
             values, _ = _tuning_values(points, f, study.tune.seed)
-            rows.append({"family": "dense", "budget": 0.0, "params": _params(study, f), "loss": values[d.best],
+            rows.append({"family": DENSE, "budget": 0.0, "params": _params(study, f), "loss": values[d.best],
                          "depth": f.depth, "width": f.width})
     if len(rows) < MIN_SIZES:
         return None, {"note": f"{len(rows)} dense sizes tuned: the fit needs {MIN_SIZES}"}
-    fit = fit_profile(pd.DataFrame(rows), "dense", 0.0)
+    fit = fit_profile(pd.DataFrame(rows), DENSE, 0.0)
     record = {"sizes": len(rows), "opt_params": fit.opt_params, "inside": fit.inside, "note": fit.note}
     if not fit.inside:
         return None, record
     max_depth = max(r["depth"] for r in rows)
-    candidates = {d: _params(study, canonical_arm("dense", 1.0, "-", "constant", 1.0, d, budget)) for d in range(1, 2 * max_depth + 1)}
+    candidates = {d: _params(study, Arm(DENSE, depth=d, budget=budget)) for d in range(1, 2 * max_depth + 1)}
     depth = min(candidates, key=lambda d: abs(math.log(candidates[d]) - math.log(fit.opt_params)))
     record.update(nearest_depth=depth, nearest_params=candidates[depth])
     if any(r["depth"] == depth and not r["width"] for r in rows):
         record["note"] += f"; the nearest depth ({depth}) is a size already trained"
         return None, record
-    return canonical_arm("dense", 1.0, "-", "constant", 1.0, depth, budget), record
+    return Arm(DENSE, depth=depth, budget=budget), record
 
 
-def _params(study: Study, arm: Arm) -> int:
+def _params(study: StudySpec, arm: Arm) -> int:
     cfg = study.run_config(arm, study.tune.seed)
     return non_embedding_params(cfg.model, cfg.routing)
 
@@ -287,7 +276,7 @@ def effects_seed_rule(kind: str, sd: float, target: float, cap: int) -> int:
     return int(seeds_for_equivalence(sd, target, cap=cap))
 
 
-def primary_pair(study: Study, kind: str, best: dict[Arm, Arm]) -> tuple[Arm, Arm] | None:
+def primary_pair(study: StudySpec, kind: str, best: dict[Arm, Arm]) -> tuple[Arm, Arm] | None:
     """(arm, reference) of a claim's pre-registered primary contrast, among the confirmed arms."""
     families = list(best)
     settings = study.claim_settings.get(kind)
@@ -300,15 +289,15 @@ def primary_pair(study: Study, kind: str, best: dict[Arm, Arm]) -> tuple[Arm, Ar
     if kind == "mod_vs_best_dense":
         ref = next((f for f in families if _plain_dense(f) and f.budget == primary.budget), None)
     elif kind == "learned_vs_random":
-        ref = next((f for f in families if f.variant == RANDOM_CONTROL.get(primary.variant) and _same_shape(f, primary)), None)
+        ref = next((f for f in families if f.variant == RANDOM_CONTROL.get(primary.variant) and f.shape == primary.shape), None)
     elif kind == "methods_vs_sigmoid":
-        ref = next((f for f in families if f.variant == METHODS_REFERENCE and _same_shape(f, primary)), None)
+        ref = next((f for f in families if f.variant == METHODS_REFERENCE and f.shape == primary.shape), None)
     else:  # causal_rule: a within-run quantity, no pair
         return None
     return (best[primary], best[ref]) if ref is not None else None
 
 
-def extra_seeds(study: Study, points: list[TrialPoint], best: dict[Arm, Arm], rule: SeedRule) -> tuple[list[tuple[Arm, int]], dict]:
+def extra_seeds(study: StudySpec, points: list[TrialPoint], best: dict[Arm, Arm], rule: SeedRule) -> tuple[list[tuple[Arm, int]], dict]:
     """The seeds each claim's primary contrast needs beyond the confirmation seeds (two-stage
     rule), as (arm, seed) points, and what was computed."""
     values = {(p.arm, p.seed): p.headline for p in points if p.state == "COMPLETE" and p.headline is not None}
@@ -347,7 +336,7 @@ def extra_seeds(study: Study, points: list[TrialPoint], best: dict[Arm, Arm], ru
 
 
 # --- the stages --------------------------------------------------------------------------------
-def plan(study: Study, points: list[TrialPoint], history: Iterable[str], rule: SeedRule = effects_seed_rule) -> Plan:
+def plan(study: StudySpec, points: list[TrialPoint], history: Iterable[str], rule: SeedRule = effects_seed_rule) -> Plan:
     """The next stage with something to do, given every trial (all finished) and the stages
     already recorded (``history``: ``optimum`` and ``seeds`` run once). A stage whose queue is
     empty (an optimum already trained, no seeds needed) is still returned so that it is recorded."""
@@ -374,7 +363,7 @@ def plan(study: Study, points: list[TrialPoint], history: Iterable[str], rule: S
 
 
 # --- the per-family table for the report -----------------------------------------------------
-def family_table(study: Study, points: list[TrialPoint]) -> pd.DataFrame:
+def family_table(study: StudySpec, points: list[TrialPoint]) -> pd.DataFrame:
     """One row per tuned family: the grid tried on the tuning seed, the best value, bracketed
     yes/no (and why not), failed values with their reasons, and the value its confirmation
     seeds ran at (``confirmed_arm``: its label, the arm a claim compares); random controls and
@@ -404,18 +393,14 @@ def family_table(study: Study, points: list[TrialPoint]) -> pd.DataFrame:
 def points_from_frame(trials: pd.DataFrame) -> list[TrialPoint]:
     """``TrialPoint``s from a trials frame (``modbench.track.optuna_store.trials_frame``, the
     report's ``ReportData.trials``): arm columns, seed, state, metrics, fail_reason."""
-    from modbench.study.points import arm_from_params
-
-    keys = ("variant", "capacity", "pattern", "schedule", "lr_mult", "depth", "budget", "width", "capacity_first", "control",
-            "recursion", "recursions", "capacities")
     out = []
     for _, row in trials.iterrows():
-        params = {k: row[k] for k in keys if k in row and not _missing_value(row[k])}
+        params = {k: row[k] for k in ARM_KEYS if k in row and not _missing_value(row[k])}
         if "variant" not in params or _missing_value(row.get("seed")):
             continue
-        value, headline = _finite(row.get(SELECT)), _finite(row.get(HEADLINE))
+        value, headline = finite_or_none(row.get(SELECT)), finite_or_none(row.get(HEADLINE))
         reason = row.get("fail_reason")
-        out.append(TrialPoint(arm_from_params(params), int(row["seed"]), str(row["state"]), str(row.get("stage") or ""),
+        out.append(TrialPoint(Arm.from_params(params), int(row["seed"]), str(row["state"]), str(row.get("stage") or ""),
                               value, headline, reason if isinstance(reason, str) else ""))
     return out
 
@@ -424,7 +409,8 @@ def _missing_value(x: Any) -> bool:
     return x is None or (isinstance(x, float) and math.isnan(x))
 
 
-def _finite(x: Any) -> float | None:
+def finite_or_none(x: Any) -> float | None:
+    """``x`` as a float when it is a finite number, else None (a failed or diverged trial's value)."""
     try:
         x = float(x)
     except (TypeError, ValueError):

@@ -229,8 +229,8 @@ class ProbePlan:
 
 
 def make_plan(args: ProbeArgs) -> ProbePlan:
-    from modbench.config.study import find_study, load_study
-    from modbench.model.sizing import study_arms
+    from modbench.design.study_file import find_study, load_study
+    from modbench.design.controls import study_arms
 
     path = find_study(args.study)
     study = load_study(path)
@@ -248,7 +248,7 @@ def make_plan(args: ProbeArgs) -> ProbePlan:
     if args.budget:
         arms = [replace(a, budget=args.budget) for a in arms]
     return ProbePlan(study.name, str(Path(path).resolve()), args.budget or study.base.train.budget,
-                     bool(args.budget), tuple(a.params() for a in arms), labels)
+                     bool(args.budget), tuple(a.to_dict() for a in arms), labels)
 
 
 def check_device(device: str) -> None:
@@ -302,7 +302,8 @@ def _worker_setup(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    from modbench.config.study import Arm, load_study
+    from modbench.design.arm import Arm
+    from modbench.design.study_file import load_study
     from modbench.run.train import train
 
     study = load_study(spec["study_file"])

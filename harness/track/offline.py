@@ -28,7 +28,6 @@ import shutil
 import tempfile
 import time
 import uuid
-from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 
 from modbench.errors import ModbenchError, accepted, redact
@@ -40,10 +39,10 @@ from modbench.track.tracking import (
     MAX_TAGS_PER_BATCH,
     PARENT_RUN_TAG,
     STATUSES,
+    TimedRun,
     _chunks,
     _get_or_create_experiment,
     _param_value,
-    end_run_on_exit,
     to_float,
 )
 
@@ -86,7 +85,7 @@ def _artifact_target(artifacts: Path, artifact_path: str | None) -> Path:
 # --------------------------------------------------------------------------- the tracker
 
 
-class OfflineTracker:
+class OfflineTracker(TimedRun):
     """One run written to ``<root>/<run_id>/``: a :class:`~modbench.track.tracking.RunTracker`
     that needs no MLflow. It tags, redacts and truncates like :class:`~modbench.track.tracking.Tracker`
     so that an imported run reads as if it had been logged online; pass ``run_id`` to resume a run
@@ -109,32 +108,13 @@ class OfflineTracker:
         self.run_name = run_name
         self.parent_run_id = parent_run_id
         self.extra_tags = {str(k): str(v) for k, v in (tags or {}).items()}
-        self.seconds = 0.0
-        self._run_id = run_id
         self._record: dict = {}
         self._metrics = None  # the open metrics.jsonl, appended to
-        self._started = False
-        self._ended = False
-        self._depth = 0
+        self._init_bookkeeping(run_id)
+
+    KIND = "offline run"
 
     # ------------------------------------------------------------------ bookkeeping
-
-    @contextmanager
-    def _timed(self):
-        self._depth += 1
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            if self._depth == 0:
-                self.seconds += time.perf_counter() - t0
-
-    def _require_started(self) -> None:
-        if not self._started:
-            raise RuntimeError("OfflineTracker.start() has not been called")
-        if self._ended:
-            raise RuntimeError(f"offline run {self._run_id} has already ended")
 
     @property
     def run_id(self) -> str:
@@ -213,13 +193,6 @@ class OfflineTracker:
             self._metrics.close()
             self._record.update(status=status, end_time=_now_ms())
             self._save()
-
-    def __enter__(self) -> "OfflineTracker":
-        return self.start()
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        end_run_on_exit(self, exc_type)
-        return False
 
     # ------------------------------------------------------------------ logging
 

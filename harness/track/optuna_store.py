@@ -10,14 +10,19 @@ import functools
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import optuna
 
-from modbench.config.study import Study
 from modbench.errors import ModbenchError, redact
 from modbench.results import METRICS
 from modbench.track.store import sqlite_db_path
+
+
+class Named(Protocol):
+    """What this module needs of a study spec: its name (track may not import modbench.design)."""
+
+    name: str
 
 
 PARENT_ATTR = "mlflow_parent_run_id"  # the study's MLflow parent run; set once the study is fully created
@@ -60,17 +65,17 @@ def with_fail_reason(objective: Callable[[optuna.Trial], Any]) -> Callable[[optu
     return recorded
 
 
-def study_dir(study: Study, out_dir: str | Path) -> Path:
+def study_dir(study: Named, out_dir: str | Path) -> Path:
     return Path(out_dir) / study.name
 
 
-def default_storage(study: Study, out_dir: str | Path) -> str:
+def default_storage(study: Named, out_dir: str | Path) -> str:
     path = study_dir(study, out_dir) / "optuna.db"
     path.parent.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{path.resolve()}"
 
 
-def existing_storage(study: Study, out_dir: str | Path, storage: str | None) -> str:
+def existing_storage(study: Named, out_dir: str | Path, storage: str | None) -> str:
     """The storage a reading command (report, status) opens: ``storage`` if given (a SQLite file
     must exist), else the study's SQLite file in ``out_dir`` when it exists. ModbenchError naming
     the ways out otherwise: a reader must not leave an empty ``optuna.db`` (and its folder) behind."""
@@ -117,18 +122,38 @@ def _postgres_creation_lock(url: str):
     if not url.startswith("postgresql"):
         yield
         return
+    with advisory_lock(url, _PG_SCHEMA_LOCK):
+        yield
+
+
+@contextmanager
+def advisory_lock(url: str, key: int):
+    """A session-level ``pg_advisory_lock(key)`` on a connection of its own, held while the block
+    runs: PostgreSQL releases it when the holding process dies, so no lock outlives its worker."""
     import sqlalchemy as sa
 
     engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
     try:
         with engine.connect() as conn:
-            conn.execute(sa.text("SELECT pg_advisory_lock(:key)"), {"key": _PG_SCHEMA_LOCK})
+            conn.execute(sa.text("SELECT pg_advisory_lock(:key)"), {"key": key})
             try:
                 yield
             finally:
-                conn.execute(sa.text("SELECT pg_advisory_unlock(:key)"), {"key": _PG_SCHEMA_LOCK})
+                conn.execute(sa.text("SELECT pg_advisory_unlock(:key)"), {"key": key})
     finally:
         engine.dispose()
+
+
+@contextmanager
+def file_lock(path: Path):
+    """An exclusive ``flock`` on ``path`` (created), held while the block runs; the OS releases it
+    when the holding process dies."""
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextmanager
@@ -139,16 +164,12 @@ def _sqlite_creation_lock(url: str):
         return
     lock_path = Path(db).with_name(Path(db).name + ".lock")
     try:
-        handle = open(lock_path, "a")
+        open(lock_path, "a").close()
     except OSError as e:
         raise ModbenchError(f"cannot create the Optuna store {db}: {e.strerror}; check that its folder exists "
                             "and is writable, or pass --storage") from None
-    with handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with file_lock(lock_path):
+        yield
 
 
 def trials_frame(name: str, storage: str):

@@ -121,7 +121,45 @@ def _chunks(items: list, size: int):
 # --------------------------------------------------------------------------- Tracker
 
 
-class Tracker:
+class TimedRun:
+    """What every run tracker keeps the same way: whether it started and ended, and ``seconds``,
+    the wall time spent inside it (nested calls counted once): the caller's logging overhead."""
+
+    KIND = "run"  # how errors name the run ("MLflow run", "offline run")
+
+    def _init_bookkeeping(self, run_id: str | None) -> None:
+        self.seconds = 0.0
+        self._run_id = run_id
+        self._started = False
+        self._ended = False
+        self._depth = 0
+
+    @contextmanager
+    def _timed(self):
+        self._depth += 1
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self.seconds += time.perf_counter() - t0
+
+    def _require_started(self) -> None:
+        if not self._started:
+            raise RuntimeError(f"{type(self).__name__}.start() has not been called")
+        if self._ended:
+            raise RuntimeError(f"{self.KIND} {self._run_id} has already ended")
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        end_run_on_exit(self, exc_type)
+        return False
+
+
+class Tracker(TimedRun):
     """One MLflow run with buffered metrics, written from the calling thread.
 
     Metrics are sent with ``MlflowClient.log_batch`` every ``flush_every`` calls of
@@ -156,34 +194,15 @@ class Tracker:
         self.uri = uri
         self.flush_every = flush_every
         self._monitor = None  # MLflow's system-metrics monitor, once monitor_system starts it
-        self.seconds = 0.0
         self.experiment_id: str | None = None
-        self._run_id = run_id
         self._client = None
         self._buffer: list[tuple[str, float, int, int]] = []  # (key, value, timestamp ms, step)
         self._calls_since_flush = 0
-        self._started = False
-        self._ended = False
-        self._depth = 0
+        self._init_bookkeeping(run_id)
+
+    KIND = "MLflow run"
 
     # ------------------------------------------------------------------ bookkeeping
-
-    @contextmanager
-    def _timed(self):
-        self._depth += 1
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._depth -= 1
-            if self._depth == 0:
-                self.seconds += time.perf_counter() - t0
-
-    def _require_started(self) -> None:
-        if not self._started:
-            raise RuntimeError("Tracker.start() has not been called")
-        if self._ended:
-            raise RuntimeError(f"MLflow run {self._run_id} has already ended")
 
     @property
     def run_id(self) -> str:
@@ -280,13 +299,6 @@ class Tracker:
                 self._monitor.mlflow_logger.flush()
         finally:
             self._client.set_terminated(self._run_id, status=status)
-
-    def __enter__(self) -> "Tracker":
-        return self.start()
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        end_run_on_exit(self, exc_type)
-        return False
 
     # ------------------------------------------------------------------ logging
 

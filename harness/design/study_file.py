@@ -32,6 +32,7 @@
     lr_mult  = [1.0]
     depth    = [4]               # model sizes (iso-FLOP studies)
     width    = [0]               # n_embd override (0: the [model] width); heads = width / head_dim
+    mlp_ratio = [0]              # MLP expansion factor (0: the [model]'s mlp_ratio)
     capacity_first = [0.0]       # capacity of the first routed layer, decaying to `capacity` over
                                  # depth (p-MoD's progressive decay; 0: every layer at `capacity`)
     budget   = ["flops=1e13"]    # training budgets (iso-FLOP studies)
@@ -57,12 +58,14 @@
     max_seeds = 8                #   for this CI half-width (and the margin's equivalence test), at most this many
     positive_control = "flops=3.5e12"  # mod_vs_best_dense only: the best dense model also trained at this
                                  #   smaller budget, a contrast whose sign is known (it must come out "worse")
+    tie_break = "decode_flops"   # who wins an "equivalent" verdict at different cost: the arm with fewer
+                                 #   decode FLOPs/token ("decode_flops") or training FLOPs/token ("train_flops")
 
-An *arm* is one point of the space; ``dense`` ignores capacity, pattern, schedule and capacities,
-so all dense points with the same depth, width, budget, lr_mult and recursion collapse into one
-arm; recursion "none" ignores recursions. Control arms
-(``study.controls``) are sized by the model's analytic FLOPs, so they are derived one layer up,
-in ``modbench.model.sizing`` (``study_arms``): this module only declares them.
+An *arm* is one point of the space (``modbench.design.arm``: every axis declared once, with
+what an arm ignores). Control arms (``study.controls``) are sized by the model's analytic FLOPs,
+in ``modbench.design.controls`` (``study_arms``): this module only declares them. The file's
+schema and its one loader are here (``StudySpec``, ``load_study``): "study" alone means the
+Optuna study a spec runs as.
 """
 
 from __future__ import annotations
@@ -75,29 +78,21 @@ from pathlib import Path
 from typing import Any
 
 from modbench import variants
-
 from modbench.config.budget import Budget
-from modbench.config.capacity import check_capacity
-from modbench.config.model import RECURSION_MODES, RECURSIONS, ModelConfig, RoutingConfig
 from modbench.config.io import from_mapping, read_toml
-from modbench.errors import ModbenchError, accepted
-from modbench.results import ALIASES, metric
-from modbench.config.patterns import parse_pattern
+from modbench.config.model import RoutingConfig, heads_for
 from modbench.config.run import RunConfig, load_run
 from modbench.data import check_dataset
+from modbench.design.arm import (FIXED_IN_SAMPLED, RANGED_KEYS, SPACE_KEYS, Arm, Range, budget_text, choice_check,
+                                 positive_number, space_defaults)
+from modbench.errors import ModbenchError, accepted
+from modbench.results import ALIASES, metric
+from modbench.design.vocabulary import DENSE
 
 SAMPLERS = ("grid", "tpe", "nsga2", "random")
 PRUNERS = ("none", "median", "hyperband")
 # Study objectives are declared metrics of modbench.results (old spellings such as val_bpb are aliases).
 OBJECTIVES = ("val/bpb", "val/causal_bpb", "test/bpb", "test/causal_bpb", "perf/flops_per_token", "perf/train_tokens_per_s")
-SPACE_KEYS = ("variant", "capacity", "pattern", "schedule", "lr_mult", "depth", "budget", "width", "capacity_first",
-              "recursion", "recursions", "capacities")
-SPACE_DEFAULTS: dict[str, list[Any]] = {
-    "variant": ["dense"], "capacity": [0.125], "pattern": ["alternate"], "schedule": ["constant"],
-    "lr_mult": [1.0], "depth": [], "budget": [], "width": [0], "capacity_first": [0.0],
-    "recursion": [], "recursions": [], "capacities": [""],  # recursion(s): the [model]'s, like depth
-}
-RECURSION_KEYS = ("recursion", "recursions", "capacities")  # grid studies only (suggest_arm samples none of them)
 CAPACITIES_VARIANTS = ("mor", "mor_token_choice")  # per-step capacities are Mixture-of-Recursions' (variants/mor.py, mor_token_choice.py)
 CONTROLS = ("matched_dense", "iso_token_dense", "param_matched_dense")
 CLAIMS = ("mod_vs_best_dense", "learned_vs_random", "causal_rule", "methods_vs_sigmoid")  # see modbench.report.claims
@@ -126,6 +121,7 @@ class ClaimSettings:
     ci_half_width: float | None = None  # target half-width of the primary contrast's CI (two-stage seed rule)
     max_seeds: int = 0  # cap on the primary contrast's confirmation seeds the two-stage rule may add up to (0: no extra seeds)
     positive_control: str = ""  # mod_vs_best_dense: a smaller budget the best dense model is also trained at ("": none)
+    tie_break: str = ""  # who wins a tie at different cost: "decode_flops" | "train_flops" (the cheaper arm); "": no rule
 
 
 @dataclass(frozen=True)
@@ -138,88 +134,7 @@ class TuneSettings:
 
 
 @dataclass(frozen=True)
-class Range:
-    low: float
-    high: float
-    log: bool = False
-
-
-@dataclass(frozen=True)
-class Arm:
-    variant: str
-    capacity: float
-    pattern: str
-    schedule: str
-    lr_mult: float
-    depth: int
-    budget: str
-    width: int = 0  # 0: the [model] width
-    control: str = ""  # for a derived control arm: what it controls ("matched to sigmoid C=0.125 alternate")
-    capacity_first: float = 0.0  # 0: every routed layer at `capacity` (RoutingConfig.capacity_first None)
-    recursion: str = "none"  # ModelConfig.recursion: weight sharing over depth
-    recursions: int = 1  # ModelConfig.recursions: N_R (1 without recursion)
-    capacities: str = ""  # RoutingConfig.capacities: one capacity per routed layer ("": `capacity`)
-
-    @property
-    def capacity_text(self) -> str:
-        """"C=0.125", "C=0.25→0.125" (decaying over depth) or "C=1,2/3,1/3" (one per routed layer)."""
-        if self.capacities:
-            return f"C={self.capacities}"
-        return f"C={self.capacity_first:g}→{self.capacity:g}" if self.capacity_first else f"C={self.capacity:g}"
-
-    @property
-    def recursion_text(self) -> str:
-        """"middle_cycle N_R=3" for a recursive arm, "" otherwise."""
-        return "" if self.recursion == "none" else f"{self.recursion} N_R={self.recursions}"
-
-    @property
-    def label(self) -> str:
-        parts = [self.variant]
-        if self.variant != "dense":
-            parts += [self.capacity_text, self.pattern] + (["log"] if self.schedule == "log" else [])
-        if self.recursion_text:
-            parts.append(self.recursion_text)
-        if self.width:
-            parts.append(f"L{self.depth} d{self.width}")
-        if self.lr_mult != 1.0:
-            parts.append(f"lr×{self.lr_mult:g}")
-        if self.control:
-            parts.append(f"({self.control})")
-        return " ".join(parts)
-
-    def params(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
-
-def canonical_arm(variant: str, capacity: float, pattern: str, schedule: str, lr_mult: float, depth: int, budget: str,
-                  width: int = 0, capacity_first: float = 0.0, control: str = "", recursion: str = "none",
-                  recursions: int = 1, capacities: str = "") -> Arm:
-    """The arm of a point; settings an arm ignores take one value, so points that differ only in
-    them are one arm: dense ignores capacity, pattern, schedule and capacities; recursion "none"
-    ignores recursions; with capacities, the capacity is its last entry (RoutingConfig's rule)."""
-    if variant == "dense":
-        capacity, pattern, schedule, capacity_first, capacities = 1.0, "-", "constant", 0.0, ""
-    if recursion == "none":
-        recursions = 1
-    if capacities:
-        capacity = capacity_values(capacities)[-1]
-    return Arm(variant, float(capacity), pattern, schedule, float(lr_mult), int(depth), budget, int(width), control,
-               float(capacity_first), recursion, int(recursions), capacities)
-
-
-def capacity_values(capacities: str) -> tuple[float, ...]:
-    """A ``capacities`` list parsed as the routing config parses it ("1,2/3,1/3" → 1, 0.667, 0.333)."""
-    last = capacities.split(",")[-1].strip()
-    num, slash, den = last.partition("/")
-    try:
-        value = float(num) / float(den) if slash else float(num)
-    except (ValueError, ZeroDivisionError):
-        value = 1.0  # a bad last entry: RoutingConfig names it below
-    return RoutingConfig(capacity=value, capacities=capacities).capacity_list
-
-
-@dataclass(frozen=True)
-class Study:
+class StudySpec:
     path: Path
     settings: StudySettings
     base: RunConfig
@@ -262,8 +177,11 @@ class Study:
         return " ".join(parts)
 
     def run_config(self, arm: Arm, seed: int, **train_overrides: Any) -> RunConfig:
+        """The run an arm is: where each axis takes effect (``modbench.design.arm``)."""
         model = replace(self.base.model, depth=arm.depth, recursion=arm.recursion, recursions=arm.recursions,
                         kv_sharing=self.base.model.kv_sharing and arm.recursion != "none")  # sharing needs recursion
+        if arm.mlp_ratio:
+            model = replace(model, mlp_ratio=arm.mlp_ratio)
         if arm.width:
             model = replace(model, n_embd=arm.width, n_head=heads_for(arm.width, self.base.model))
         routing = RoutingConfig(arm.variant, arm.capacity, arm.schedule, arm.pattern if arm.pattern != "-" else "alternate",
@@ -278,28 +196,20 @@ class Study:
         for each routed shape of [space] (the iso-token control only at a FLOP budget), and one
         param-matched model for each recursive shape of [space] (its physical depth and width)."""
         wanted, arms = self.settings.controls, self.main_arms()
-        shapes = {(a.capacity, a.capacity_first, a.pattern, a.schedule, a.depth, a.width, a.budget, a.lr_mult,
-                   a.recursion, a.recursions, a.capacities) for a in arms if a.variant != "dense"}
-        count = len(shapes) if "matched_dense" in wanted else 0
+        routed = {(a.shape, a.lr_mult): a.budget for a in arms if a.variant != DENSE}
+        count = len(routed) if "matched_dense" in wanted else 0
         if "iso_token_dense" in wanted:
-            count += sum(Budget.parse(shape[6]).kind == "flops" for shape in shapes)
+            count += sum(Budget.parse(budget).kind == "flops" for budget in routed.values())
         if "param_matched_dense" in wanted:
             models = {a: self.run_config(a, self.settings.seeds[0]).model for a in arms if a.recursion != "none"}
             count += len({(m.physical_layers, m.width, m.layers, a.recursion_text, a.budget, a.lr_mult) for a, m in models.items()})
         return count
 
 
-def heads_for(width: int, base: ModelConfig) -> int:
-    """Heads of a model ``width`` (even) wide: the head count whose head dimension is even (RoPE)
-    and closest to the base model's head_dim (ties: more heads)."""
-    return min((h for h in range(1, width // 2 + 1) if width % h == 0 and (width // h) % 2 == 0),
-               key=lambda h: (abs(width // h - base.head_dim), -h))
-
-
 def _grid(space: dict[str, Any]) -> list[Arm]:
     seen: dict[Arm, None] = {}
     for combo in itertools.product(*(space[k] for k in SPACE_KEYS)):
-        seen.setdefault(canonical_arm(**dict(zip(SPACE_KEYS, combo))), None)
+        seen.setdefault(Arm(**dict(zip(SPACE_KEYS, combo))), None)
     return list(seen)
 
 
@@ -382,7 +292,7 @@ def find_study(text: str | Path) -> Path:
                         f"or one of {accepted(sorted(shipped))} (see 'modbench study list')")
 
 
-def load_study(path: str | Path) -> Study:
+def load_study(path: str | Path) -> StudySpec:
     """Read and fully validate a study file (or a shipped study's name); one-line errors name file and key."""
     p = find_study(path)
     raw = read_toml(p)
@@ -410,13 +320,12 @@ def load_study(path: str | Path) -> Study:
         raise _fail(p, "space", f"is empty: give at least 'variant'; accepted keys are {accepted(SPACE_KEYS)}")
     space_raw = dict(space_raw)
     also_raw = space_raw.pop("also", [])
-    defaults = {**SPACE_DEFAULTS, "depth": [base.model.depth], "budget": [base.train.budget],
-                "recursion": [base.model.recursion], "recursions": [base.model.recursions]}
+    defaults = space_defaults(base.model, base.train)
     space = _parse_space(p, "space", space_raw, defaults, base)
     if not isinstance(also_raw, list) or not all(isinstance(t, dict) and t for t in also_raw):
         raise _fail(p, "space.also", "expected [[space.also]] tables, each a grid such as variant = [\"dense\"], depth = [2, 4]")
     also = tuple(_parse_space(p, f"space.also[{i}]", t, space, base) for i, t in enumerate(also_raw))
-    ranged = [k for k in ("capacity", "lr_mult") if any(isinstance(sp[k], Range) for sp in (space, *also))]
+    ranged = [k for k in RANGED_KEYS if any(isinstance(sp[k], Range) for sp in (space, *also))]
     if ranged and settings.sampler == "grid":
         raise _fail(p, f"space.{ranged[0]}", "a {low, high} range needs a model-based sampler ('tpe', 'random' or 'nsga2'); a grid needs a list of choices")
     if settings.sampler != "grid" and (also or settings.controls):
@@ -424,14 +333,14 @@ def load_study(path: str | Path) -> Study:
                     "[[space.also]] grids and controls need sampler = \"grid\"")
     if settings.sampler != "grid" and settings.n_trials < 1:
         raise _fail(p, "study.n_trials", f"sampler {settings.sampler!r} needs n_trials >= 1 (arms to sample)")
-    sampled_fixed = [k for k in RECURSION_KEYS if k in space_raw and space[k] != defaults[k]]
+    sampled_fixed = [k for k in FIXED_IN_SAMPLED if k in space_raw and space[k] != defaults[k]]
     if settings.sampler != "grid" and sampled_fixed:
         raise _fail(p, f"space.{sampled_fixed[0]}", f"sampler {settings.sampler!r} samples variant, capacity, pattern, "
                     "schedule, lr_mult, depth and budget only: recursive arms need sampler = \"grid\"")
     tune = _load_tune(p, raw.get("tune"), settings, [("space", space_raw)] + [(f"space.also[{i}]", t) for i, t in enumerate(also_raw)])
     claim_settings = _load_claims(p, raw.get("claims"), settings, tune, [space, *also], base.train.budget)
     digest = hashlib.sha256(p.read_bytes()).hexdigest()
-    study = Study(p, settings, base, options, space, digest, also, tune, claim_settings)
+    study = StudySpec(p, settings, base, options, space, digest, also, tune, claim_settings)
     if "param_matched_dense" in settings.controls and not any(a.recursion != "none" for a in study.main_arms()):
         raise _fail(p, "study.controls", "'param_matched_dense' is the vanilla model with a recursive arm's parameters: "
                                          "[space] has no recursive arm (recursion 'cycle' or 'middle_cycle')")
@@ -445,13 +354,14 @@ def load_study(path: str | Path) -> Study:
 
 
 TUNE_KEYS = ("lr_mult", "seed", "min_lr_mult", "max_lr_mult")
-CLAIM_KEYS = ("margin", "primary", "ci_half_width", "max_seeds", "positive_control")
+CLAIM_KEYS = ("margin", "primary", "ci_half_width", "max_seeds", "positive_control", "tie_break")
+TIE_BREAKS = ("decode_flops", "train_flops")
 
 
 def _number(p: Path, key: str, value: Any) -> float:
     """A positive finite number (a TOML boolean is not a number)."""
     try:
-        return _positive(value)
+        return positive_number(value)
     except ModbenchError as e:
         raise _fail(p, key, f"{e}: expected a positive number") from None
 
@@ -477,7 +387,7 @@ def _load_tune(p: Path, table: Any, settings: StudySettings, spaces: list[tuple[
         if "lr_mult" in space:
             raise _fail(p, f"{where}.lr_mult", "with [tune] the learning rate is tuned, not declared: "
                                                "leave lr_mult out and list the grid in tune.lr_mult")
-    grid = _choices(p, "tune.lr_mult", table.get("lr_mult"), _positive)
+    grid = _choices(p, "tune.lr_mult", table.get("lr_mult"), positive_number)
     low = _number(p, "tune.min_lr_mult", table.get("min_lr_mult", TuneSettings.min_lr_mult))
     high = _number(p, "tune.max_lr_mult", table.get("max_lr_mult", TuneSettings.max_lr_mult))
     if not low <= min(grid) <= max(grid) <= high:
@@ -528,7 +438,7 @@ def _load_claims(p: Path, table: Any, settings: StudySettings, tune: TuneSetting
             if not tune.lr_mult:
                 raise _fail(p, f"{where}.positive_control", "the positive control follows the tuned best dense model: it needs a [tune] table")
             try:
-                smaller, full = Budget.parse(_budget(positive)), Budget.parse(base_budget)
+                smaller, full = Budget.parse(budget_text(positive)), Budget.parse(base_budget)
             except ModbenchError as e:
                 raise _fail(p, f"{where}.positive_control", str(e)) from None
             if smaller.kind != full.kind or not smaller.amount < full.amount:
@@ -536,7 +446,13 @@ def _load_claims(p: Path, table: Any, settings: StudySettings, tune: TuneSetting
                                                             f"as train.budget {base_budget!r} (its sign is then known)")
         elif not isinstance(positive, str):
             raise _fail(p, f"{where}.positive_control", f"{positive!r} is not a budget such as 'flops=3.5e12'")
-        out[kind] = ClaimSettings(margin, primary, half, max_seeds, positive)
+        tie_break = entry.get("tie_break", "")
+        if tie_break and (tie_break not in TIE_BREAKS or kind == "causal_rule"):
+            raise _fail(p, f"{where}.tie_break", f"{tie_break!r}: expected {accepted(TIE_BREAKS)} "
+                                                 "(a claim comparing two arms: not causal_rule)")
+        if tie_break and margin is None:
+            raise _fail(p, f"{where}.tie_break", "decides an 'equivalent' verdict, which needs a margin: declare margin")
+        out[kind] = ClaimSettings(margin, primary, half, max_seeds, positive, tie_break)
     return out
 
 
@@ -547,50 +463,18 @@ def _parse_space(p: Path, where: str, raw: dict[str, Any], defaults: dict[str, A
             raise _fail(p, f"{where}.{key}", f"unknown key; accepted keys are {accepted(SPACE_KEYS)}"
                         + (" (and [[space.also]] in [space])" if where == "space" else ""))
 
-    def choices(key: str, check) -> Any:
+    def choices(key: str, depths: list[int]) -> Any:
         if key not in raw:
             return defaults[key]
-        value = raw[key]
-        if isinstance(value, dict) and key in ("capacity", "lr_mult"):
+        check, value = choice_check(key, base.model, depths), raw[key]
+        if isinstance(value, dict) and key in RANGED_KEYS:
             return _range(p, f"{where}.{key}", value, check)
         return _choices(p, f"{where}.{key}", value, check)
 
-    space: dict[str, Any] = {"variant": choices("variant", lambda v: variants.get_variant(v).name)}
-    space["capacity"] = choices("capacity", check_capacity)
-    space["lr_mult"] = choices("lr_mult", _positive)
-    space["depth"] = choices("depth", _depth)
-    space["pattern"] = choices("pattern", _pattern_for(space["depth"], base))
-    space["schedule"] = choices("schedule", _schedule)
-    space["budget"] = choices("budget", _budget)
-    space["width"] = choices("width", _width_for(base))
-    space["capacity_first"] = choices("capacity_first", lambda v: 0.0 if v == 0 and v is not False else check_capacity(v))
-    space["recursion"] = choices("recursion", _recursion)
-    space["recursions"] = choices("recursions", _recursions)
-    space["capacities"] = choices("capacities", _capacities)
+    depths = choices("depth", [])  # first: a pattern must fit every depth of its grid
+    space = {key: depths if key == "depth" else choices(key, depths) for key in SPACE_KEYS}
     _check_capacities_variants(p, where, raw, space)
     return space
-
-
-def _recursion(v: Any) -> str:
-    if v not in RECURSION_MODES:
-        raise ModbenchError(f"recursion {v!r} is unknown: expected {accepted(RECURSION_MODES)}")
-    return v
-
-
-def _recursions(v: Any) -> int:
-    if isinstance(v, bool) or v not in (1, *RECURSIONS) or not isinstance(v, int):
-        raise ModbenchError(f"recursions {v!r} is not accepted: expected N_R = {accepted(RECURSIONS)} "
-                            "(or 1, which recursion 'none' takes)")
-    return v
-
-
-def _capacities(v: Any) -> str:
-    if not isinstance(v, str):
-        raise ModbenchError(f"capacities {v!r} is not a string such as '1,2/3,1/3' (or '' for none)")
-    text = ",".join(item.strip() for item in v.split(",")) if v.strip() else ""
-    if text:
-        capacity_values(text)  # RoutingConfig's parse: each entry a fraction in (0, 1]
-    return text
 
 
 def _check_capacities_variants(p: Path, where: str, raw: dict[str, Any], space: dict[str, Any]) -> None:
@@ -599,58 +483,12 @@ def _check_capacities_variants(p: Path, where: str, raw: dict[str, Any], space: 
     nobody declared for it (dense ignores capacities, as it ignores capacity)."""
     if not any(space["capacities"]):
         return
-    others = [v for v in space["variant"] if v != "dense" and v not in CAPACITIES_VARIANTS]
+    others = [v for v in space["variant"] if v != DENSE and v not in CAPACITIES_VARIANTS]
     if others:
         inherited = "" if "capacities" in raw or where == "space" else " (a key left out takes [space]'s list)"
         raise _fail(p, f"{where}.capacities", f"{space['capacities']!r} would apply to variant {accepted(others)}{inherited}: "
                                               f"per-step capacities are for {accepted(CAPACITIES_VARIANTS)}; give the "
                                               "other variants their own grid with capacities = [\"\"]")
-
-
-def _width_for(base: RunConfig):
-    def check(v: Any) -> int:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v % 2 or v > 65536:
-            raise ModbenchError(f"width {v!r} is not accepted: expected 0 (the [model] width) or an even number "
-                                "up to 65536 (heads: the even head dimension closest to model.head_dim)")
-        return v
-
-    return check
-
-
-def _positive(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or math.isinf(v):
-        raise ModbenchError(f"{v!r} is not a positive number")
-    return float(v)
-
-
-def _budget(v: Any) -> str:
-    if not isinstance(v, str):
-        raise ModbenchError(f"budget {v!r} is not a string such as 'flops=1e13'")
-    Budget.parse(v)
-    return v
-
-
-def _depth(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ModbenchError(f"depth {v!r} is not a positive integer")
-    return v
-
-
-def _schedule(v: Any) -> str:
-    if v not in ("constant", "log"):
-        raise ModbenchError(f"schedule {v!r} is unknown: expected 'constant' or 'log'")
-    return v
-
-
-def _pattern_for(depths: list[int], base: RunConfig):
-    def check(v: Any) -> str:
-        if not isinstance(v, str):
-            raise ModbenchError(f"pattern {v!r} is not a string")
-        for d in depths:
-            parse_pattern(v, base.model.n_layer or d)
-        return v
-
-    return check
 
 
 def _range(path: Path, key: str, table: dict, check) -> Range:
