@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -588,3 +589,30 @@ def test_claim_settings_are_preregistered_before_the_first_confirmation_trial_an
     assert len(registration["amendments"]) == 1
     text = " ".join(preregistration_lines(registration))
     assert "amended after that" in text and "mod_vs_best_dense" in text and record["commit"][:12] in text
+
+
+def test_a_tuning_choice_won_by_less_than_the_seed_noise_is_reported_as_such(tmp_path):
+    """methods_shootout's ×2 rates won by margins smaller than the seed noise at ×2 (issue "Best
+    against best"): the family table says by how much each best value won on the tuning seed, the
+    confirmed arm's SD over its confirmation seeds, and whether the win is within that noise."""
+    from modbench.report.claims_report import tuning_lines
+
+    study = load_study(write_study(tmp_path, "noise", seeds=(0, 1, 2, 3), grid=(1, 2, 4)))
+    dense = next(a for a in study.arms() if a.variant == "dense")
+    sigmoid = next(a for a in study.arms() if a.variant == "sigmoid")
+    points = []
+    for family, values, confirm in ((dense, {1: 3.00, 2: 2.99, 4: 3.10}, (2.90, 3.00, 3.10)),
+                                    (sigmoid, {1: 3.50, 2: 3.00, 4: 3.40}, (3.00, 3.01, 3.02))):
+        for lr, v in values.items():
+            points.append(TrialPoint(replace(family, lr_mult=float(lr)), 0, "COMPLETE", "tune", v, v))
+        for seed, v in zip((1, 2, 3), confirm):
+            points.append(TrialPoint(replace(family, lr_mult=2.0), seed, "COMPLETE", "confirm", v, v))
+    table = tuning.family_table(study, points).set_index("family")
+    row = table.loc[study.label(dense)]
+    assert row.best_lr_mult == 2.0 and row.won_by == pytest.approx(0.01) and row.seed_sd == pytest.approx(0.1)
+    assert row.within_noise is True or row.within_noise == True  # noqa: E712
+    clear = table.loc[study.label(sigmoid)]
+    assert clear.won_by == pytest.approx(0.40) and clear.within_noise == False  # noqa: E712
+    text = " ".join(tuning_lines(table.reset_index()))
+    assert "Chosen within the seed noise: dense (won by 0.010, seed SD 0.100)" in text
+    assert "sigmoid C=0.25 alternate (won by" not in text

@@ -479,9 +479,15 @@ def tuning_lines(table: pd.DataFrame) -> list[str]:
     note = (f"**Unbracketed (best value at an edge of what was tried): {', '.join(unbracketed)}.** A claim that "
             "compares one of these compares a learning rate that may not be its best." if unbracketed
             else "Every tuned family's best value is bracketed (a worse value was tried on each side).")
+    noisy = table[table["within_noise"] == True] if "within_noise" in table else table.iloc[:0]  # noqa: E712
+    if len(noisy):
+        listed = ", ".join(f"{r.family} (won by {r.won_by:.3f}, seed SD {r.seed_sd:.3f})" for r in noisy.itertuples())
+        note += (f" **Chosen within the seed noise: {listed}.** The best value beat the runner-up on the tuning seed "
+                 "by less than the confirmation seeds' SD: another tuning seed may have chosen another value.")
     return ["## Learning-rate tuning", "",
-            "Each family's grid of LR multipliers on the tuning seed, its best value (on validation), and whether it "
-            "is bracketed; the confirmation seeds run at the best value.", "", note, "",
+            "Each family's grid of LR multipliers on the tuning seed, its best value (on validation), whether it "
+            "is bracketed, by how much it beat the runner-up (won by) and the confirmed arm's SD over its "
+            "confirmation seeds (seed SD); the confirmation seeds run at the best value.", "", note, "",
             _table(show.astype(object).where(show.notna(), "")), ""]
 
 

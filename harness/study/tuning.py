@@ -367,15 +367,21 @@ def family_table(study: StudySpec, points: list[TrialPoint]) -> pd.DataFrame:
     """One row per tuned family: the grid tried on the tuning seed, the best value, bracketed
     yes/no (and why not), failed values with their reasons, and the value its confirmation
     seeds ran at (``confirmed_arm``: its label, the arm a claim compares); random controls and
-    the positive control name the family they follow."""
+    the positive control name the family they follow. ``won_by``: how far the best value beat the
+    runner-up on the tuning seed; ``seed_sd``: the SD of the confirmed arm's validation value over its
+    confirmation seeds; a choice won by less than that is within the seed noise (``within_noise``):
+    another tuning seed might have picked another value."""
     dec = decisions(study, points)
     best = best_arms(study, points)
     rows = []
     for f, d in dec.items():
+        won_by, sd = _winning_margin(study, points, f, d.best), _seed_sd(study, points, best.get(f))
         rows.append({"family": study.label(f), "variant": f.variant, "grid": ", ".join(f"{v:g}" for v in d.grid),
                      "best_lr_mult": d.best, "bracketed": d.bracketed, "note": d.note, "failed": "; ".join(d.failed),
                      "confirmed_at": best[f].lr_mult if f in best else None,
-                     "confirmed_arm": study.label(best[f]) if f in best else None, "follows": ""})
+                     "confirmed_arm": study.label(best[f]) if f in best else None, "follows": "",
+                     "won_by": won_by, "seed_sd": sd,
+                     "within_noise": None if won_by is None or sd is None else bool(won_by < sd)})
     declared = declared_families(study)
     for f, arm in best.items():
         if f in dec:
@@ -384,10 +390,26 @@ def family_table(study: StudySpec, points: list[TrialPoint]) -> pd.DataFrame:
         rows.append({"family": study.label(f), "variant": f.variant, "grid": "", "best_lr_mult": None,
                      "bracketed": None, "note": "runs at the best value of the family it follows", "failed": "",
                      "confirmed_at": arm.lr_mult, "confirmed_arm": study.label(arm),
-                     "follows": study.label(leader) if leader else "the best dense model (positive control)"})
+                     "follows": study.label(leader) if leader else "the best dense model (positive control)",
+                     "won_by": None, "seed_sd": None, "within_noise": None})
     columns = ["family", "variant", "grid", "best_lr_mult", "bracketed", "note", "failed", "confirmed_at", "confirmed_arm",
-               "follows"]
+               "follows", "won_by", "seed_sd", "within_noise"]
     return pd.DataFrame(rows, columns=columns)
+
+
+def _winning_margin(study: StudySpec, points: list[TrialPoint], family: Arm, best: float | None) -> float | None:
+    """The runner-up's validation value minus the best's, on the tuning seed (None: nothing to beat)."""
+    values = {p.arm.lr_mult: p.value for p in points
+              if p.seed == study.tune.seed and p.arm.family == family and p.value is not None}
+    others = sorted(v for m, v in values.items() if m != best)
+    return others[0] - values[best] if best in values and others else None
+
+
+def _seed_sd(study: StudySpec, points: list[TrialPoint], arm: Arm | None) -> float | None:
+    """SD of ``arm``'s validation value over its confirmation seeds (None: fewer than two)."""
+    values = [p.value for p in points if arm is not None and p.arm == arm and p.seed != study.tune.seed
+              and p.value is not None]
+    return float(np.std(values, ddof=1)) if len(values) >= 2 else None
 
 
 def points_from_frame(trials: pd.DataFrame) -> list[TrialPoint]:
