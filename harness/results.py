@@ -70,6 +70,7 @@ class RunRecord:
     steps: int = 0
     tokens: int = 0
     checkpoint: str | None = None  # MLflow artifact path of the run, or a local file when untracked
+    tags: dict[str, str] = field(default_factory=dict)  # the run's own tags (MLflow's "mlflow.*" left out)
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.metrics) - set(METRICS))

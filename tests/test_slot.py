@@ -152,20 +152,24 @@ def test_a_study_cut_short_resumes_from_its_archive_elsewhere_and_imports_for_th
                         "--quiet")
         assert imp.returncode == 0, imp.stdout + imp.stderr
     info = json.loads(imp.stdout.strip().splitlines()[-1])
-    assert info["trials"] == len(after) and info["runs"] == len(after) + 1  # and the study's parent run
+    # Every trial's run and the study's parent run; a machine loaded enough to miss heartbeats may add the
+    # run of a trial retried as stale (Optuna's heartbeat retry), which no trial points at.
+    assert info["trials"] == len(after) and info["runs"] >= len(after) + 1
     local = f"sqlite:///{here / 'studies' / 'slot_dry' / 'optuna.db'}"
     assert _points("slot_dry", local) == after
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("slot_dry").experiment_id], max_results=1000)
-    assert len(runs) == len(after) + 1
+    assert len(runs) == info["runs"]
     by_id = {r.info.run_id: r for r in runs}
     parent = [r for r in runs if r.data.tags.get("modbench.role") == "study"]
     assert len(parent) == 1 and parent[0].info.status == "FINISHED"
     lstudy = optuna.load_study(study_name="slot_dry", storage=local)
     assert lstudy.user_attrs["mlflow_parent_run_id"] == parent[0].info.run_id
     for t in lstudy.trials:
+        if t.state != optuna.trial.TrialState.COMPLETE:  # a surplus trial (the queue was empty) ran nothing
+            continue
         run = by_id[t.user_attrs["mlflow_run_id"]]  # every trial points at its imported run
         assert run.data.tags["mlflow.parentRunId"] == parent[0].info.run_id
         assert run.data.metrics["val/causal_bpb"] == pytest.approx(t.user_attrs["val/causal_bpb"])
@@ -221,3 +225,38 @@ def test_import_never_replaces_a_study_that_did_not_come_from_an_archive(tmp_pat
                     f"sqlite:///{tmp_path}/mlflow.db")
     assert res.returncode == 2 and "was not imported from a slot archive" in res.stderr
     assert _points("slot_dry", local.storage) == before
+
+
+@pytest.mark.slow
+def test_a_checkpoint_left_on_the_slot_still_gives_the_report_its_routing(tmp_path, monkeypatch):
+    """A checkpoint too large for the archive stays on the lent machine; the routing masks the report
+    draws from it are computed there and travel instead (routing section and heatmap intact)."""
+    from mlflow.tracking import MlflowClient
+
+    from modbench.report.routing_analysis import MASKS_ARTIFACT, MASKS_TAG
+
+    monkeypatch.setenv("MODBENCH_DATA_DIR", str(tmp_path / "data"))
+    study = load_study(DRY)
+    machine = tmp_path / "machine"
+    run_study(DRY, out_dir=machine, n_trials=4, progress=False, tracking_uri="sqlite:///unused.db",
+              offline_runs=machine / "slot_dry" / "runs")
+    archive = tmp_path / "a.tar.gz"
+    manifest = slot.write_archive(machine / "slot_dry", study, archive, call={}, checkpoint_mib=0)
+    assert manifest["checkpoints"]["kept"] == [] and manifest["checkpoints"]["left_out"]
+    with tarfile.open(archive) as tar:
+        masks = [n for n in tar.getnames() if n.endswith(MASKS_ARTIFACT)]
+    assert masks, "no routed run's masks travelled"
+    here = tmp_path / "here"
+    uri = f"sqlite:///{here / 'mlflow.db'}"
+    res = _modbench("study", "import", str(archive), "--out-dir", str(here / "studies"), "--tracking-uri", uri, "--quiet")
+    assert res.returncode == 0, res.stderr
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("slot_dry").experiment_id])
+    tagged = [r for r in runs if r.data.tags.get(MASKS_TAG)]
+    assert len(tagged) == len(masks) and all("modbench.checkpoint" not in r.data.tags for r in tagged)
+    report = _modbench("report", str(DRY), "--out-dir", str(here / "studies"), "--tracking-uri", uri, "--reports-dir",
+                       str(here / "reports"), "--quiet", cwd=tmp_path)
+    assert report.returncode == 0, report.stdout + report.stderr
+    text = (here / "reports" / "slot_dry" / "report.md").read_text()
+    routing = text.split("## Routing", 1)[1].split("\n## ", 1)[0]
+    assert "No trial checkpoints were found" not in routing and "routing_positions.png" in routing

@@ -16,6 +16,7 @@ import tempfile
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from modbench.errors import redact
@@ -23,7 +24,7 @@ from modbench.report import figures
 from modbench.design.vocabulary import CONTROL_VARIANTS, DENSE
 from modbench.report.claims_report import TuningTable, claims_sections
 from modbench.report.collect import ReportData, collect
-from modbench.report.routing_analysis import analyse_masks, selection_masks
+from modbench.report.routing_analysis import MASKS_TAG, analyse_masks, load_masks, selection_masks
 from modbench.report.stats import compare_to_baseline, holm, pareto_front, summarize
 from modbench.report.stats_text import describe_comparison
 from modbench.design.study_file import load_study
@@ -277,7 +278,7 @@ def _routing_section(data: ReportData, dest: Path, uri: str, progress: bool = Fa
     """Routing measured on each arm's first-seed checkpoint, fetched from the trial's MLflow run."""
     from tqdm.auto import tqdm
 
-    from modbench.track.records import fetch_checkpoint, read_record
+    from modbench.track.records import read_record
 
     routed = data.done[data.done.variant != DENSE].sort_values("seed")
     if routed.empty:
@@ -288,10 +289,10 @@ def _routing_section(data: ReportData, dest: Path, uri: str, progress: bool = Fa
     for arm, g in tqdm(arms, total=arms.ngroups, desc="routing analysis", unit="arm", disable=not progress):
         run_id = g.iloc[0].get("mlflow_run_id")
         record = read_record(uri, run_id) if isinstance(run_id, str) else None
-        if record is None or not record.checkpoint:
+        got = _masks_of(uri, record) if record is not None else None
+        if got is None:
             continue
-        with tempfile.TemporaryDirectory() as tmp:
-            x, masks, _ = selection_masks(fetch_checkpoint(uri, record, Path(tmp)))
+        x, masks = got
         res = analyse_masks(x, masks)
         learned = g.iloc[0]["variant"] not in CONTROL_VARIANTS  # a learned router's picture, a random one's only if none
         if masks and (heatmap is None or (learned and not heatmap_learned)):  # redrawn from the checkpoint
@@ -322,6 +323,20 @@ def _routing_section(data: ReportData, dest: Path, uri: str, progress: bool = Fa
         out += [f"Processed positions on one validation window ({heatmap_arm}, first seed; drawn from its checkpoint):", "",
                 "![routing heatmap](routing_heatmap.png)", ""]
     return out
+
+
+def _masks_of(uri: str, record) -> tuple[np.ndarray, list[np.ndarray]] | None:
+    """A run's input bytes and routing masks: from its checkpoint, else from the masks a GPU slot
+    computed for a checkpoint its archive could not hold (``MASKS_TAG``), else None."""
+    from modbench.track.records import fetch_artifact, fetch_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if record.checkpoint:
+            x, masks, _ = selection_masks(fetch_checkpoint(uri, record, Path(tmp)))
+            return x, masks
+        if record.tags.get(MASKS_TAG):
+            return load_masks(fetch_artifact(uri, record.run_id, record.tags[MASKS_TAG], Path(tmp)))
+    return None
 
 
 def _finish(lines: list[str], data: ReportData, dest: Path, study_path, command: str | None) -> Path:

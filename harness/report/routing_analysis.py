@@ -28,20 +28,36 @@ BYTE_CLASSES = {
 N_BUCKETS = 8
 
 
+MASKS_ARTIFACT = "analysis/routing_masks.npz"  # a run's selection masks, computed where its checkpoint stayed
+MASKS_TAG = "modbench.routing_masks"  # on such a run: the artifact path of its masks
+
+
 @torch.no_grad()
-def selection_masks(checkpoint: Path, n_windows: int = 16) -> tuple[np.ndarray, list[np.ndarray], RunConfig]:
-    """Input bytes (n, T) and one boolean (n, T) mask per routed layer."""
+def selection_masks(checkpoint: Path, n_windows: int = 16, device: str = "cpu") -> tuple[np.ndarray, list[np.ndarray], RunConfig]:
+    """Input bytes (n, T) and one boolean (n, T) mask per routed layer (``device``: where the
+    forward runs; a lent GPU computes them for the checkpoints its archive cannot hold)."""
     model, cfg = model_from_state(load_checkpoint(checkpoint), str(checkpoint))
     corpus = load_corpus(cfg.train.dataset, seed=cfg.train.seed)
     x, _ = eval_windows(corpus.val, cfg.train.seq_len, n_windows)
-    model.set_collect_stats(True)
+    model.to(device).set_collect_stats(True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        out = model(x)
+        out = model(x.to(device))
     masks = []
     for s in out.stats:
-        masks.append(s["layer_processed"].numpy())
+        masks.append(s["layer_processed"].cpu().numpy())
     return x.numpy(), masks, cfg
+
+
+def save_masks(path: Path, x: np.ndarray, masks: list[np.ndarray]) -> None:
+    """Input bytes and per-layer masks in one ``.npz`` (``load_masks`` reads it back)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, x=x, masks=np.stack(masks) if masks else np.zeros((0, *x.shape), dtype=bool))
+
+
+def load_masks(path: Path) -> tuple[np.ndarray, list[np.ndarray]]:
+    with np.load(path) as f:
+        return f["x"], list(f["masks"])
 
 
 def analyse(checkpoint: Path, n_windows: int = 16) -> dict[str, pd.DataFrame]:

@@ -20,7 +20,9 @@ back is a handful of files. ``modbench study slot STUDY`` runs a study there:
    large (weights and optimizer state) and a slot returns at most 16 MiB a file: the archive
    keeps the weights only, of the trials the report reads (each arm's lowest seed, and its
    lowest confirmation seed), smallest first, up to ``--checkpoint-mib``; the rest are named in
-   the manifest, and the report's routing and decode-cost sections leave those arms out.
+   the manifest, and for each of them the routing masks the report draws (16 validation windows,
+   computed here, on the GPU) travel instead: the report's routing section is whole, and only its
+   decode-cost measurement leaves those arms out.
 
 ``modbench study import ARCHIVE`` (on a machine with MLflow) then imports the runs into the
 MLflow store, with their metric histories and artifacts, and copies the Optuna study into the
@@ -280,7 +282,24 @@ def _stage_runs(src: Path, dst: Path, store: Path, study, checkpoint_mib: float)
         else:
             target.unlink()
             left_out.append(run_id)
+            _write_masks(src / run_id / "artifacts" / CHECKPOINT_ARTIFACT, dst / run_id)
     return kept, left_out
+
+
+def _write_masks(checkpoint: Path, run: Path) -> None:
+    """The routing masks the report draws from a checkpoint, computed here from the one that stays
+    (on the GPU when there is one: a forward of 16 windows), kept as the run's artifact and tag."""
+    import torch
+
+    from modbench.report.routing_analysis import MASKS_ARTIFACT, MASKS_TAG, save_masks, selection_masks
+
+    x, masks, _ = selection_masks(checkpoint, device="cuda" if torch.cuda.is_available() else "cpu")
+    if not masks:  # a dense model routes nothing: the report draws nothing for it
+        return
+    save_masks(run / "artifacts" / MASKS_ARTIFACT, x, masks)
+    meta = json.loads((run / "run.json").read_text())
+    meta["tags"][MASKS_TAG] = MASKS_ARTIFACT
+    (run / "run.json").write_text(json.dumps(meta))
 
 
 def _write_weights(src: Path, dst: Path) -> int:
@@ -443,4 +462,6 @@ def _copy_study(source, target, name: str, mapping: dict[str, str], manifest: di
             c.state, c.datetime_complete = TrialState.FAIL, c.datetime_start
         copies.append(c)
     dst.add_trials(copies)
-    return len(copies)
+    # as ``modbench study status`` counts them: a surplus trial (a worker found the queue empty) or a
+    # re-queued one (its point ran again) is kept in the copy but is no trial of the study's
+    return sum(1 for c in copies if not c.user_attrs.get("surplus") and not c.user_attrs.get("requeued"))

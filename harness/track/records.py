@@ -32,8 +32,22 @@ def read_record(uri: str, run_id: str) -> RunRecord:
     tokens_per_step = params.get("budget.tokens_per_step", "")
     n_steps = int(steps) if steps.isdigit() else 0
     n_tokens = n_steps * int(tokens_per_step) if tokens_per_step.isdigit() else 0
+    tags = {k: v for k, v in run.data.tags.items() if not k.startswith("mlflow.")}
     return RunRecord(run_id, run.info.status, dict(params), declared(run.data.metrics), n_steps, n_tokens,
-                     run.data.tags.get(CHECKPOINT_TAG))
+                     run.data.tags.get(CHECKPOINT_TAG), tags)
+
+
+def fetch_artifact(uri: str, run_id: str, artifact_path: str, dest: Path) -> Path:
+    """A local copy of one artifact of MLflow run ``run_id`` (downloaded into ``dest``)."""
+    import mlflow.artifacts
+
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        return Path(mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path=artifact_path,
+                                                        dst_path=str(dest), tracking_uri=uri))
+    except Exception as e:
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise ModbenchError(f"cannot fetch {artifact_path} of MLflow run {run_id} from {uri}: {first}") from None
 
 
 def fetch_checkpoint(uri: str, record: RunRecord, dest: Path | None = None) -> Path:
