@@ -613,3 +613,35 @@ def test_heatmap_rejects_bad_input(tmp_path, selected):
     with pytest.raises(ValueError):
         routing_heatmap(selected, 8, tmp_path / "bad.png")
     assert not (tmp_path / "bad.png").exists()
+
+
+def test_two_workers_logging_one_new_dataset_at_once_both_link_it(tmp_path):
+    """MLflow looks a dataset up, then inserts it: a second worker between the two fails on the
+    dataset's unique key (seen as a crashed worker in CI). The dataset exists then, and the tracker
+    links it on a second try; any other refusal still stops the run."""
+    from mlflow.exceptions import MlflowException
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    first = tracking.Tracker("race", uri=uri).start()
+    first.log_dataset("stdlib", "a" * 36, "made here", "training")
+    second = tracking.Tracker("race", uri=uri).start()
+    real = second.client.log_inputs
+    calls = []
+
+    def racing(run_id, inputs):  # the other worker's insert landed between our lookup and our insert
+        calls.append(run_id)
+        if len(calls) == 1:
+            raise MlflowException("(sqlite3.IntegrityError) UNIQUE constraint failed: datasets.experiment_id, "
+                                  "datasets.name, datasets.digest")
+        return real(run_id, inputs)
+
+    second.client.log_inputs = racing
+    second.log_dataset("stdlib", "a" * 36, "made here", "training")
+    assert len(calls) == 2
+    inputs = MlflowClient(uri).get_run(second.run_id).inputs.dataset_inputs
+    assert [d.dataset.name for d in inputs] == ["stdlib"]
+    second.client.log_inputs = lambda run_id, inputs: (_ for _ in ()).throw(MlflowException("disk I/O error"))
+    with pytest.raises(MlflowException, match="disk I/O error"):
+        second.log_dataset("other", "b" * 36, "made here", "training")
+    first.end()
+    second.end()

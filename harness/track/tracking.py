@@ -41,6 +41,8 @@ MAX_PARAM_VALUE_LENGTH = 6000
 os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
 PARENT_RUN_TAG = "mlflow.parentRunId"
+# What SQLite and PostgreSQL say when an insert hits a unique key another writer just used.
+DUPLICATE_KEY = ("UNIQUE constraint failed", "duplicate key value violates unique constraint")
 HEARTBEAT_TAG = "modbench.heartbeat"
 STATUSES = ("FINISHED", "FAILED", "KILLED")
 
@@ -339,12 +341,21 @@ class Tracker(TimedRun):
         column): ``source`` is a URL, or a description for data made on the machine."""
         self._require_started()
         from mlflow.entities import Dataset, DatasetInput, InputTag
+        from mlflow.exceptions import MlflowException
 
         with self._timed():
             kind = "http" if source.startswith(("http://", "https://")) else "code"
             payload = json.dumps({"url": source} if kind == "http" else {"tags": {"origin": source}})
             dataset = Dataset(name=name[:500], digest=digest[:36], source_type=kind, source=redact(payload))
-            self._client.log_inputs(self._run_id, [DatasetInput(dataset, [InputTag("mlflow.data.context", context)])])
+            inputs = [DatasetInput(dataset, [InputTag("mlflow.data.context", context)])]
+            try:
+                self._client.log_inputs(self._run_id, inputs)
+            except MlflowException as e:
+                # Two workers logging one new dataset at once: MLflow looks it up, then inserts it, and the
+                # slower insert fails on the dataset's unique key. It exists now: the second try links it.
+                if not any(text in str(e) for text in DUPLICATE_KEY):
+                    raise
+                self._client.log_inputs(self._run_id, inputs)
 
     def monitor_system(self, interval_s: float) -> None:
         """Log CPU, memory (and GPU, when MLflow can see one) every ``interval_s`` seconds with
