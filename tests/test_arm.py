@@ -70,8 +70,7 @@ def test_a_new_axis_is_a_field_and_the_line_where_it_takes_effect(tmp_path):
     assert labels == {"dense", "dense mlp×2", "sigmoid C=0.125 alternate", "sigmoid C=0.125 alternate mlp×2"}
     narrow = next(a for a in arms if a.variant == "sigmoid" and a.mlp_ratio == 2)
     assert study.run_config(narrow, 0).model.mlp_ratio == 2
-    assert study.run_config(narrow.family.__class__(**{**narrow.to_dict(), "mlp_ratio": 0}), 0).model.mlp_ratio == \
-        study.base.model.mlp_ratio
+    assert study.run_config(Arm(**{**narrow.to_dict(), "mlp_ratio": 0}), 0).model.mlp_ratio == study.base.model.mlp_ratio
     assert narrow.params()["mlp_ratio"] == 2 and "mlp_ratio" not in Arm("sigmoid", depth=2, budget="x").params()
     path.write_text(path.read_text().replace("mlp_ratio = [0, 2]", "mlp_ratio = [65]"))
     with pytest.raises(ModbenchError, match=r"space\.mlp_ratio: mlp_ratio 65 is not accepted"):

@@ -165,7 +165,7 @@ def _run_workers(study, folder: Path, settings: SlotSettings, deadline: float, l
         time.sleep(1.0)
         if time.time() - last_note >= 30:
             last_note = time.time()
-            counts = _counts(study.name, folder / STORE)
+            counts = trial_counts(study.name, folder / STORE)
             log(f"slot: {time.time() - started:.0f} s, trials " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     _stop(procs, grace_s=max(5.0, settings.reserve_s / 2), log=log)
     return [p.returncode for p in procs]
@@ -185,20 +185,6 @@ def _stop(procs: list[subprocess.Popen], *, grace_s: float, log) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)  # its RUNNING trial is retried after its heartbeat's grace
             p.wait()
-
-
-def _counts(name: str, store: Path) -> dict[str, int]:
-    """Trials by state for the progress line, read with sqlite3 while the workers write (a cheap
-    look: surplus trials, pruned when a worker found the queue empty, are counted too)."""
-    if not store.is_file():
-        return {}
-    try:
-        with sqlite3.connect(f"file:{store}?mode=ro", uri=True, timeout=10) as db:
-            rows = db.execute("SELECT t.state, COUNT(*) FROM trials t JOIN studies s ON s.study_id = t.study_id "
-                              "WHERE s.study_name = ? GROUP BY t.state", (name,)).fetchall()
-    except sqlite3.Error:
-        return {}
-    return {str(state): int(n) for state, n in rows}
 
 
 def trial_counts(name: str, store: Path) -> dict[str, int]:

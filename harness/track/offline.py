@@ -40,6 +40,7 @@ from modbench.track.tracking import (
     PARENT_RUN_TAG,
     STATUSES,
     TimedRun,
+    write_dict,
     _chunks,
     _get_or_create_experiment,
     _param_value,
@@ -257,14 +258,7 @@ class OfflineTracker(TimedRun):
         values JSON cannot encode (paths, dtypes, ...) are written as strings."""
         self._require_started()
         with self._timed():
-            plain = json.loads(json.dumps(obj, default=str))
-            path = self._artifact_file(artifact_file)
-            if path.name.endswith((".yaml", ".yml")):
-                import yaml
-
-                path.write_text(yaml.safe_dump(plain, sort_keys=False), encoding="utf-8")
-            else:
-                path.write_text(json.dumps(plain, indent=2) + "\n", encoding="utf-8")
+            write_dict(obj, self._artifact_file(artifact_file))
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         """Copy a file, or every file under a directory, to ``artifacts/[artifact_path]``."""

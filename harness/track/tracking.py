@@ -413,16 +413,9 @@ class Tracker(TimedRun):
         values JSON cannot encode (paths, dtypes, ...) are written as strings."""
         self._require_started()
         with self._timed():
-            plain = json.loads(json.dumps(obj, default=str))
-            name = Path(artifact_file).name
             with tempfile.TemporaryDirectory(prefix="modbench-artifact-") as tmp:
-                path = Path(tmp) / name
-                if name.endswith((".yaml", ".yml")):
-                    import yaml
-
-                    path.write_text(yaml.safe_dump(plain, sort_keys=False))
-                else:
-                    path.write_text(json.dumps(plain, indent=2) + "\n")
+                path = Path(tmp) / Path(artifact_file).name
+                write_dict(obj, path)
                 self._client.log_artifact(self._run_id, str(path), _artifact_dir(artifact_file))
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
@@ -442,6 +435,18 @@ class Tracker(TimedRun):
         self._require_started()
         with self._timed():
             self._client.log_figure(self._run_id, fig, artifact_file)
+
+
+def write_dict(obj: dict, path: Path) -> None:
+    """``obj`` as JSON, or YAML when ``path`` ends in .yaml/.yml (a run tracker's ``log_dict``);
+    values JSON cannot encode (paths, dtypes, ...) are written as strings."""
+    plain = json.loads(json.dumps(obj, default=str))
+    if path.name.endswith((".yaml", ".yml")):
+        import yaml
+
+        path.write_text(yaml.safe_dump(plain, sort_keys=False), encoding="utf-8")
+    else:
+        path.write_text(json.dumps(plain, indent=2) + "\n", encoding="utf-8")
 
 
 def end_run_on_exit(tracker: "RunTracker", exc_type) -> None:
