@@ -186,7 +186,7 @@ def test_study_list_builds_no_model(monkeypatch, capsys):
     assert counts["smoke"] == 4 and counts["quick"] > 0
 
 
-@pytest.mark.parametrize("name", ["paper_claims", "methods_shootout"])
+@pytest.mark.parametrize("name", ["recursion_vs_routing", "methods_shootout"])
 def test_study_list_counts_derived_controls_as_the_runner_will(name):
     from modbench.cli.study import planned_trials
     from modbench.design.study_file import load_study
