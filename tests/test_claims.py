@@ -243,7 +243,7 @@ def test_primary_contrast_is_its_own_family_and_secondary_rows_are_holm_correcte
     secondary = eff[eff["family"] == "secondary"]
     assert list(zip(secondary["arm"], secondary["reference"])) == [("sigmoid", "dense"), ("norm", "dense d56")]
     assert secondary["p_adj"].tolist() == pytest.approx(holm(secondary["p"].tolist()))
-    assert found[0].primary and found[0].statement.startswith("MoD (norm,")
+    assert found[0].primary and found[0].statement.startswith("norm (the best of its family on val)")
 
 
 def test_a_margin_turns_a_tie_into_equivalent_and_summary_carries_the_fields():
@@ -285,7 +285,7 @@ def test_a_claim_whose_primary_arm_is_degenerate_is_flagged_not_dropped():
     c2, _ = claims.learned_vs_random(df, ClaimSettings(), flagged)
     assert c2[0].verdict_class == "flagged"
     c1_norm, _ = claims.mod_vs_best_dense(df, ClaimSettings(primary="norm"), flagged)
-    assert c1_norm[0].verdict_class == "better" and c1_norm[0].statement.startswith("MoD (norm,")
+    assert c1_norm[0].verdict_class == "better" and c1_norm[0].statement.startswith("norm (the best of its family on val)")
 
 
 # --- end to end: a tiny study, its report and summary.json ----------------------------------------
@@ -318,7 +318,7 @@ def test_claims_report_end_to_end(tmp_cwd):
         assert set(c) >= {"id", "statement", "verdict", "estimate", "ci_low", "ci_high", "n_seeds", "margin",
                           "verdict_class", "primary", "tost_p"}
     c1, c2 = summary["claims"][:2]
-    assert c1["statement"].startswith("MoD (norm C=0.25 alternate,") and c1["margin"] == 0.05 and c1["primary"]
+    assert c1["statement"].startswith("norm C=0.25 alternate (the best of its family on val)") and c1["margin"] == 0.05 and c1["primary"]
     assert c1["verdict_class"] in ("better", "worse", "equivalent", "inconclusive", "regime not reached")
     if c1["verdict_class"] == "regime not reached":  # at 2e9 FLOPs: the gate names who does not beat the 4-gram
         assert "do" in c1["verdict"] and "not beat the count 4-gram" in c1["verdict"]
@@ -351,7 +351,7 @@ def test_claims_report_end_to_end(tmp_cwd):
 
 def test_the_regime_line_names_every_arm_below_the_trigram_and_says_whose_conclusions_fail():
     from modbench.report.baselines import Baselines
-    from modbench.report.claims_report import regime_lines
+    from modbench.report.render import regime_lines
 
     base = {"test": Baselines("test", 1000, 4.0, 3.0, 2.7, 2.0, 1.8, 1.9)}
     arms = pd.DataFrame({"arm": ["sigmoid", "dense", "dense L6"], "variant": ["sigmoid", "dense", "dense"],
@@ -369,7 +369,8 @@ def test_a_claim_whose_compared_arms_do_not_beat_the_4gram_gets_no_verdict():
     instead of a verdict; its numbers stay; a claim whose arms beat it keeps its verdict."""
     from modbench.report.baselines import Baselines
     from modbench.report.claims import Claim, positive_control_line
-    from modbench.report.claims_report import REGIME_NOT_REACHED, claim_sentence, regime_gate
+    from modbench.report.render import claim_sentence
+    from modbench.report.sections import REGIME_NOT_REACHED, regime_gate
 
     base = {"test": Baselines("test", 1000, 5.0, 3.5, 2.8, 2.5, 2.4, 2.3, 2.3, 2.5, 2.2, 990)}  # bar: 2.2
     arms = pd.DataFrame({"arm": ["sigmoid", "dense", "random_gated", "dense small"], "causal_bpb": [1.9, 2.1, 2.4, 2.0]})
@@ -435,21 +436,23 @@ def test_a_tie_at_different_cost_names_the_costs_and_the_declared_winner():
 
     from modbench.design.study_file import ClaimSettings
     from modbench.report.claims import Claim
-    from modbench.report.claims_report import tie_lines
+    from modbench.report.render import tie_lines
+    from modbench.report.sections import tie_records
 
     arms = pd.DataFrame({"arm": ["mod", "dense"], "decode_flops_per_token": [1.25e6, 1.0e6],
                          "flops_per_token": [3.87e6, 3.0e6]})
     effects = pd.DataFrame([{"claim": "C1", "claim_id": "C1", "family": "primary", "arm": "mod", "reference": "dense"}])
     tie = [Claim("C1", "MoD vs dense", "equivalent", 0.003, -0.02, 0.03, 8, margin=0.025, verdict_class="equivalent")]
     ruled = SimpleNamespace(claim_settings={"mod_vs_best_dense": ClaimSettings(margin=0.025, tie_break="decode_flops")})
-    lines, records = tie_lines(tie, effects, arms, ruled)
+    records = tie_records(tie, effects, arms, ruled)
+    lines = tie_lines(records)
     assert "mod costs +25% decode FLOPs/token and +29% training FLOPs/token against dense" in lines[0]
     assert "**dense wins**" in lines[0] and records[0]["winner"] == "dense"
     unruled = SimpleNamespace(claim_settings={"mod_vs_best_dense": ClaimSettings(margin=0.025)})
-    lines, records = tie_lines(tie, effects, arms, unruled)
-    assert "declares no rule" in lines[0] and records[0]["winner"] is None
+    records = tie_records(tie, effects, arms, unruled)
+    assert "declares no rule" in tie_lines(records)[0] and records[0]["winner"] is None
     better = [Claim("C1", "MoD vs dense", "better", -0.1, -0.2, -0.05, 8, verdict_class="better")]
-    assert tie_lines(better, effects, arms, ruled) == ([], [])  # only a tie needs the rule
+    assert tie_records(better, effects, arms, ruled) == [] and tie_lines([]) == []  # only a tie needs the rule
 
 
 def test_a_tie_rule_needs_a_margin_and_a_known_cost(tmp_path):

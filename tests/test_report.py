@@ -111,7 +111,7 @@ def test_report_of_unknown_study_is_a_clear_error(tmp_cwd, capsys):
 def test_throughput_caveat_comes_from_the_seed_spread():
     import pandas as pd
 
-    from modbench.report.build import _throughput_caveat
+    from modbench.report.render import throughput_caveat as _throughput_caveat
 
     quiet = pd.DataFrame({"arm": ["dense", "norm C=0.25"], "tokens_per_s_spread": [1.05, 1.2]})
     assert _throughput_caveat(quiet) == []
@@ -251,7 +251,7 @@ def test_one_plain_sentence_per_claim_names_both_arms_and_the_margin():
 
     import pandas as pd
 
-    from modbench.report.claims_report import claim_sentence
+    from modbench.report.render import claim_sentence
 
     @dataclass(frozen=True)
     class C:
@@ -280,7 +280,8 @@ def test_one_plain_sentence_per_claim_names_both_arms_and_the_margin():
 def test_compute_and_wall_time_come_from_the_trials_timestamps():
     import pandas as pd
 
-    from modbench.report.claims_report import compute_line, compute_summary
+    from modbench.report.render import compute_line
+    from modbench.report.sections import compute_summary
 
     t0 = pd.Timestamp("2026-01-01 10:00:00")
     trials = pd.DataFrame({"state": ["COMPLETE", "COMPLETE", "FAIL"], "perf/total_flops": [7e12, 7e12, None],
@@ -303,7 +304,7 @@ def test_a_dirty_or_mixed_git_sha_is_said_plainly():
 def test_the_tuning_table_names_every_unbracketed_family():
     import pandas as pd
 
-    from modbench.report.claims_report import tuning_lines
+    from modbench.report.render import tuning_lines
 
     table = pd.DataFrame([dict(family="sigmoid C=0.125", grid="1, 2, 4", best_lr_mult=2.0, bracketed=True),
                           dict(family="dense L3", grid="1, 2, 4, 8, 16", best_lr_mult=16.0, bracketed=False),
@@ -325,7 +326,7 @@ def test_a_size_is_its_architecture_and_a_recursive_model_never_enters_the_dense
     from modbench.design.arm import Arm
     from modbench.design.controls import study_arms
     from modbench.design.study_file import load_study
-    from modbench.report.claims_report import profile_points
+    from modbench.report.sections import profile_points
     from modbench.report.collect import ReportData
     from modbench.report.isoflop import best_lr_points
 

@@ -551,7 +551,8 @@ def test_claim_settings_are_preregistered_before_the_first_confirmation_trial_an
     it queues the confirmation stage; a study file that changes them afterwards is refused, or with
     --amend-claims recorded as an amendment, which the report's summary carries."""
     from modbench.errors import ModbenchError
-    from modbench.report.claims_report import preregistration, preregistration_lines
+    from modbench.report.render import preregistration_lines
+    from modbench.report.sections import preregistration
     from modbench.study.points import AMENDMENTS_ATTR, PREREGISTERED_ATTR
     from modbench.study.runner import Runner
     from modbench.track.provenance import git_sha
@@ -595,7 +596,7 @@ def test_a_tuning_choice_won_by_less_than_the_seed_noise_is_reported_as_such(tmp
     """methods_shootout's ×2 rates won by margins smaller than the seed noise at ×2 (issue "Best
     against best"): the family table says by how much each best value won on the tuning seed, the
     confirmed arm's SD over its confirmation seeds, and whether the win is within that noise."""
-    from modbench.report.claims_report import tuning_lines
+    from modbench.report.render import tuning_lines
 
     study = load_study(write_study(tmp_path, "noise", seeds=(0, 1, 2, 3), grid=(1, 2, 4)))
     dense = next(a for a in study.arms() if a.variant == "dense")

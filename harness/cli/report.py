@@ -19,6 +19,8 @@ def run(args) -> int:
 
     if args.quiet or args.json:  # MLflow's own bars while fetching checkpoints, too
         os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
+    if args.from_data:
+        return _rerender(args)
     # Everything the report needs is checked before the minutes it takes: the study, its trials,
     # the MLflow store and the folder the report goes to.
     uri, storage = tracking_uri_of(args), storage_of(args)
@@ -36,6 +38,24 @@ def run(args) -> int:
         print(json.dumps({"report": str(path)}))
     else:
         print(f"report written to {path}")
+    return 0
+
+
+def _rerender(args) -> int:
+    """``--from-data DIR``: the report computed and rendered again from the data a report saved."""
+    from modbench.errors import ModbenchError
+    from modbench.report.build import rerender_report
+    from modbench.track.checkpoint import check_writable
+
+    folder = Path(args.from_data)
+    if not (folder / "trials.csv").is_file():
+        raise ModbenchError(f"--from-data {args.from_data}: no trials.csv there; expected the folder of a report "
+                            "that `modbench report` wrote, such as reports/<study>")
+    study_words = [args.study_file, "--from-data", args.from_data, *_reports_dir_words(args.reports_dir)]
+    check_writable(Path(args.reports_dir), "--reports-dir")
+    path = rerender_report(args.study_file, folder, reports_dir=args.reports_dir, tuning=_tuning_table,
+                           command="modbench report " + " ".join(study_words))
+    print(json.dumps({"report": str(path)}) if args.quiet or args.json else f"report written to {path}")
     return 0
 
 
@@ -57,6 +77,9 @@ def add_parser(sub) -> None:
     p.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where the study's SQLite storage and checkpoints are (default: runs/studies)")
     p.add_argument("--reports-dir", default="reports", help="the report goes to <reports-dir>/<study>/ (default: reports)")
     add_tracking_flag(p)
+    p.add_argument("--from-data", metavar="DIR", default=None,
+                   help="compute and render the report again from the data a report saved in DIR (reports/<study>), "
+                        "without the study's Optuna and MLflow stores")
     p.add_argument("--quiet", action="store_true", help="no progress bars; print one JSON line")
     p.add_argument("--json", action="store_true", help="print the report's path as JSON")
     p.set_defaults(func=run)

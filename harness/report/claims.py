@@ -113,6 +113,7 @@ class Claim:
     verdict_class: str = "inconclusive"  # better | worse | equivalent | inconclusive | flagged
     primary: bool = True  # the claim's pre-registered primary contrast (False: a secondary row, e.g. C4b)
     tost_p: float | None = None  # TOST p within ±margin (after the row's family correction)
+    caveat: str = ""  # what the verdict must be read with (e.g. the two sides were searched unequally)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -271,7 +272,7 @@ def mod_vs_best_dense(done: pd.DataFrame, settings: ClaimSettings = ClaimSetting
     if primary_arm:
         pairs += [(primary_arm, c) for c in controls]
     primary, secondary = _split(pairs, primary_arm)
-    statement = ("MoD ({arm}, best LR on val) has lower test causal bpb than the isoFLOP-optimal dense model "
+    statement = ("{arm} (the best of its family on val) has lower test causal bpb than the best trained dense model "
                  "({ref}, best size and LR on val) at the same training FLOPs")
     eff = _family_effects(ok, primary, secondary, settings, "C1")
     control, control_eff = positive_control(ok, dense_best, settings)
@@ -284,7 +285,7 @@ def mod_vs_best_dense(done: pd.DataFrame, settings: ClaimSettings = ClaimSetting
     first = eff.iloc[0]
     return [Claim(
         "C1", statement.format(arm=first["arm"], ref=first["reference"]),
-        _verdict(first, "supported: MoD is better", "reversed: the dense optimum is better"),
+        _verdict(first, "supported: the routed model is better", "reversed: the best dense model is better"),
         detail=f"Δ = MoD − dense, {first['method']}; {_families_text(eff)}"
                + _excluded_text(flagged, done["arm"]),
         **_fields(first))] + control, both

@@ -55,7 +55,15 @@ def collect(study: StudySpec, *, uri: str, storage: str | None = None, out_dir: 
     trials = trials_frame(study.name, url)
     if len(trials):
         trials = trials.merge(trial_times(study.name, url), on="number", how="left")
-    done = trials[trials.state == "COMPLETE"].copy()
+    done = label_done(study, trials)
+    curves, tags = _from_mlflow(done, study.name, uri, progress)
+    return ReportData(study, url, trials, done, curves, tags, uri, study_attrs(study.name, url))
+
+
+def label_done(study: StudySpec, trials: pd.DataFrame) -> pd.DataFrame:
+    """The COMPLETE trials, each with every arm key (a dense arm's routing keys fixed), its arm
+    label and its comparison group."""
+    done = trials[trials.state == "COMPLETE"].copy() if len(trials) else trials.copy()
     for key in ARM_KEYS:
         if key not in done:
             done[key] = None
@@ -66,8 +74,7 @@ def collect(study: StudySpec, *, uri: str, storage: str | None = None, out_dir: 
     # The study's own label of each arm: the names of its MLflow runs and trials.
     done["arm"] = [study.label(row_arm(r)) for _, r in done.iterrows()] if len(done) else pd.Series(dtype=str)
     done["group"] = done.apply(lambda r: " ".join(f"{k}={r[k]}" for k in GROUP_KEYS if k in varying) or "all", axis=1) if len(done) else pd.Series(dtype=str)
-    curves, tags = _from_mlflow(done, study.name, uri, progress)
-    return ReportData(study, url, trials, done, curves, tags, uri, study_attrs(study.name, url))
+    return done
 
 
 def study_attrs(name: str, storage: str) -> dict:
