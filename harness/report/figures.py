@@ -183,29 +183,39 @@ def small_multiples(curves: pd.DataFrame, png: Path, *, x: str = "flops", y: str
     variants = sorted(others["variant"].unique(), key=lambda v: (v == DENSE, v)) or [DENSE]
     colors = variant_colors(list(curves["variant"].unique()))
     markers = capacity_markers(curves["capacity"].unique())
-    cols = min(3, len(variants))
+    cols = min(2, len(variants))
     rows = -(-len(variants) // cols)
-    fig = Figure(figsize=(3.8 * cols, 2.9 * rows))
+    # Legends go under their panel, never over the curves; the figure is sized so each panel stays
+    # readable at print size (ticks 8 pt, labels 9 pt on a 5-inch-wide panel).
+    most = max((others[others["variant"] == v]["arm"].nunique() for v in variants), default=0) + 1
+    fig = Figure(figsize=(5.2 * cols, (3.4 + 0.17 * most) * rows), layout="constrained")
     ref = curves[curves["arm"] == reference].groupby("step")[[x, y]].mean()
     axes = [fig.add_subplot(rows, cols, i + 1) for i in range(len(variants))]
     for ax, variant in zip(axes, variants):
         if len(ref):
-            ax.plot(ref[x], ref[y], color="black", ls="--", lw=1, label=reference_label or f"reference: {reference}")
-        for i, (arm, g) in enumerate(others[others["variant"] == variant].groupby("arm", sort=False)):
+            ax.plot(ref[x], ref[y], color="black", ls="--", lw=1.2, label=reference_label or f"reference: {reference}")
+        panel = list(others[others["variant"] == variant].groupby("arm", sort=False))
+        for i, (arm, g) in enumerate(panel):
             mean = g.groupby("step")[[x, y]].mean()
-            ax.plot(mean[x], mean[y], color=colors[variant], marker=markers[float(g["capacity"].iloc[0])], ms=3, lw=1.2,
+            ax.plot(mean[x], mean[y], color=_shade(colors[variant], i, len(panel)),
+                    marker=markers[float(g["capacity"].iloc[0])], ms=3.5, lw=1.4,
                     ls=("-", ":", "-.", (0, (5, 1)))[i % 4], label=arm)
-        ax.set_title(variant, fontsize=9)
+        ax.set_title(variant, fontsize=10)
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(alpha=0.3)
-        ax.tick_params(labelsize=7)
-        ax.legend(fontsize=6)
-    for ax in axes[-cols:]:
-        ax.set_xlabel(xlabel, fontsize=8)
-    for ax in axes[::cols]:
-        ax.set_ylabel(ylabel, fontsize=8)
+        ax.tick_params(labelsize=8)
+        ax.set_xlabel(xlabel, fontsize=9)
+        ax.set_ylabel(ylabel, fontsize=9)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False, ncol=1)
     return save_figure(fig, png)
+
+
+def _shade(color, i: int, n: int):
+    """The ``i``-th of ``n`` shades of a variant's colour, from the colour itself towards white (at
+    most 60 % of the way), so the arms of one panel stay the variant's colour yet tell apart."""
+    rgb = np.array(matplotlib.colors.to_rgb(color))
+    return tuple(rgb + (1 - rgb) * (0.6 * i / max(n - 1, 1)))
 
 
 def _fit_label(family: str, fit: pd.Series) -> str:
@@ -255,7 +265,10 @@ def isoflop_profile(points: pd.DataFrame, fits: pd.DataFrame, png: Path, *, othe
     ax.set_xscale("log")
     ax.set_xlabel("parameters (non-embedding)")
     ax.set_ylabel("validation causal bpb")
-    ax.set_title("isoFLOP profile: trials are points, the curve is a fit", fontsize=9)
+    sizes = sized(points).groupby(["family", "budget"])["size"].nunique().max() if len(points) else 0
+    ax.set_title("isoFLOP profile: trials are points, the curve is a fit" if len(fits) else
+                 f"isoFLOP profile: each size at its best LR ({sizes} size{'s' if sizes != 1 else ''}: too few to fit)",
+                 fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1, frameon=False)
     return save_figure(fig, png)
@@ -334,16 +347,24 @@ def throughput_bars(arms: pd.DataFrame, png: Path) -> Path:
 
 
 def routing_by_position(positions: pd.DataFrame, png: Path) -> Path:
-    """Processing rate per position bucket, one line per arm (averaged over routed layers)."""
-    fig = Figure(figsize=(7, 4.5))
+    """Processing rate per position bucket, one line per arm (averaged over routed layers). Arms
+    with the same rates (a random control and its gated twin route alike) would hide each other:
+    each arm gets its own marker and line style, and its points are dodged sideways by a few
+    hundredths of a bucket, so every line stays visible; the legend sits outside the axes."""
+    fig = Figure(figsize=(8.5, 4.8), layout="constrained")
     ax = fig.add_subplot()
-    for arm, g in positions.groupby("arm"):
+    arms = list(positions.groupby("arm"))
+    styles = ("-", "--", "-.", ":")
+    for i, (arm, g) in enumerate(arms):
         rate = g.groupby("bucket")["rate"].mean()
-        ax.plot(rate.index + 0.5, rate.values, marker="o", ms=3, label=arm)
-    ax.set_xlabel("position in the sequence (eighths)")
-    ax.set_ylabel("fraction of tokens processed")
-    ax.set_title("Where routers spend compute")
-    ax.legend(fontsize=7, ncol=2)
+        dodge = (i - (len(arms) - 1) / 2) * min(0.04, 0.3 / max(len(arms), 1))
+        ax.plot(rate.index + 0.5 + dodge, rate.values, marker=_MARKERS[i % len(_MARKERS)], ms=4, lw=1.3,
+                ls=styles[(i // len(_MARKERS)) % len(styles)], label=arm, zorder=3 + len(arms) - i)
+    ax.set_xlabel("position in the sequence (eighths; points dodged sideways per arm)", fontsize=9)
+    ax.set_ylabel("fraction of tokens processed", fontsize=9)
+    ax.tick_params(labelsize=8)
+    ax.set_title("Where routers spend compute", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(alpha=0.3)
     return save_figure(fig, png)
 
