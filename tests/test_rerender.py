@@ -202,3 +202,26 @@ def test_equal_tokens_reads_the_longer_run_at_the_shorter_runs_last_token_count(
     at_end, at_tokens = _equal_flops_and_tokens(curves, "mod", "dense")
     assert at_end == pytest.approx([1.5 - 2.4] * 2)
     assert at_tokens == pytest.approx([np.interp(150, [100, 200, 300], [3.0, 2.0, 1.5]) - 2.4] * 2)  # 2.5 − 2.4
+
+
+def test_a_study_that_decides_nothing_says_why_and_what_would_and_names_a_random_best_arm():
+    """methods_shootout decided none of its contrasts and random routing scored its best arm, and its
+    report said neither (issue "Best against best")."""
+    from modbench.report.render import decision_lines
+    from modbench.report.sections import REGIME_NOT_REACHED, decision_summary
+
+    arms = pd.DataFrame({"arm": ["random_gated C=0.125", "sigmoid C=0.125"], "variant": ["random_gated", "sigmoid"],
+                         "causal_bpb": [2.58, 2.60]})
+    effects = pd.DataFrame([{"claim_id": "C4a", "claim": "C4", "arm": "a", "reference": "b", "seeds_needed": 27,
+                             "verdict_class": "inconclusive"},
+                            {"claim_id": "C4b", "claim": "C4", "arm": "c", "reference": "b", "seeds_needed": 662,
+                             "verdict_class": "inconclusive"}])
+    claims = [Claim("C4a", "s", "v", 0.03, -0.2, 0.3, 3, verdict_class="inconclusive"),
+              Claim("C4b", "s", "v", 0.01, -0.1, 0.1, 3, verdict_class=REGIME_NOT_REACHED)]
+    d = decision_summary(claims, effects, arms)
+    assert d["decided"] == [] and d["regime_not_reached"] == ["C4b"] and d["seeds_needed"] == [27, 662]
+    text = " ".join(decision_lines(d, True))
+    assert "decides none of its claims" in text and "27–662 seeds per arm" in text and "larger FLOP budget" in text
+    assert "random control, **random_gated C=0.125**" in text
+    decided = [Claim("C1", "s", "v", -0.1, -0.2, -0.05, 8, verdict_class="better")]
+    assert decision_lines(decision_summary(decided, effects, arms.iloc[::-1].assign(causal_bpb=[2.5, 2.6])), True) == []

@@ -73,6 +73,7 @@ def claims_lines(c: ClaimsData, data, dest: Path) -> list[str]:
     claims, effects = c.claims, c.effects
     lines = regime_lines(c.arms, c.baselines) + protocol_lines(data.study, data.done)
     lines += [f"- {claim_sentence(cl, effects)}" for cl in claims] + ([""] if claims else [])
+    lines += decision_lines(c.decision, bool(claims))
     lines += tie_lines(c.ties)
     lines += preregistration_lines(c.registration) if claims else []
     lines += arm_cost_lines(c.arms, c.costs, c.flagged)
@@ -144,6 +145,27 @@ def claim_sentence(claim, effects: pd.DataFrame) -> str:
                   else "no difference is shown (and no equivalence margin was declared)")}.get(cls, claim.verdict)
     caveat = f" **Note: {claim.caveat}.**" if getattr(claim, "caveat", "") and claim.caveat not in phrase else ""
     return f"**{claim.id}**: {phrase} ({numbers}).{caveat}"
+
+
+def decision_lines(d: dict, claims_declared: bool) -> list[str]:
+    """When the study decides none of its claims: say so, why, and what would decide them; and
+    whether a random control scored the best arm."""
+    out = []
+    if claims_declared and d and not d["decided"] and d["undecided"]:
+        why = []
+        if d["regime_not_reached"]:
+            why.append("the compared models do not beat the count model (a larger FLOP budget per trial would "
+                       "put them in a regime where they have learned something)")
+        if d["seeds_needed"]:
+            low, high = d["seeds_needed"]
+            span = f"{low}" if low == high else f"{low}–{high}"
+            why.append(f"the intervals are too wide: detecting the observed differences with 80 % power would take "
+                       f"{span} seeds per arm")
+        out.append("**This study decides none of its claims**" + (": " + "; and ".join(why) if why else "") + ".")
+    if d and d.get("best_arm_is_random_control"):
+        out.append(f"The best arm on test causal bpb is a random control, **{d['best_arm']}**: here learned routing "
+                   "did not beat routing at random.")
+    return out + [""] if out else []
 
 
 def tie_lines(ties: list[dict]) -> list[str]:

@@ -97,6 +97,7 @@ class ClaimsData:
     cost_pairs: pd.DataFrame  # decode and training FLOPs of every compared pair
     isoflop: IsoflopData | None
     curves_reference: str | None
+    decision: dict = field(default_factory=dict)  # which claims the study decided, and what deciding the rest would take
     like_for_like: pd.DataFrame = field(default_factory=pd.DataFrame)  # what each primary contrast holds equal
     searches: dict = field(default_factory=dict)  # search group -> {"sizes", "lr_runs", "families"}
 
@@ -372,7 +373,8 @@ def claims_data(data: ReportData, measured: Measurements, tuning: pd.DataFrame) 
         per_seed=seed_differences(compared, effects) if len(effects) else pd.DataFrame(),
         topk_c2=topk_beside_causal(compared, effects), cost_pairs=cost_pairs(arms, effects),
         isoflop=isoflop_data(data, effects), curves_reference=c1_reference(effects, done),
-        like_for_like=like_for_like(data, compared, effects, claims), searches=searches)
+        like_for_like=like_for_like(data, compared, effects, claims), searches=searches,
+        decision=decision_summary(claims, effects, arms))
 
 
 def preregistration(attrs: dict) -> dict:
@@ -395,7 +397,35 @@ def summary_json(c: ClaimsData, study_name: str) -> dict:
             "baselines": c.baselines["test"].to_dict(), "degenerate_arms": c.flagged, "compute": c.compute,
             "reference": iso.get("reference"), "isoflop": iso,
             "tuning": c.tuning.to_dict(orient="records"), "decode_costs": c.costs.to_dict(orient="records"),
-            "searches": c.searches, "like_for_like": c.like_for_like.to_dict(orient="records")}
+            "searches": c.searches, "like_for_like": c.like_for_like.to_dict(orient="records"),
+            "decision": c.decision}
+
+
+DECIDED = ("better", "worse", "equivalent")
+
+
+def decision_summary(claims: list, effects: pd.DataFrame, arms: pd.DataFrame) -> dict:
+    """Which claims the study decided (better, worse or equivalent), which it did not and why (the
+    regime not reached; an interval too wide for its margin), what deciding them would take (the
+    seeds per arm to detect each undecided contrast's observed difference with 80 % power), and
+    whether the best arm on test causal bpb is a random control."""
+    from modbench.design.vocabulary import CONTROL_VARIANTS
+
+    decided = [c.id for c in claims if c.verdict_class in DECIDED]
+    undecided = [c for c in claims if c.verdict_class not in DECIDED and c.verdict_class != claims_module.FLAGGED]
+    need = []
+    for c in undecided:
+        rows = rows_of(effects, c.id)
+        # an interval too wide for its claim (the test itself undecided), not only a gated verdict
+        if (len(rows) and "seeds_needed" in rows and pd.notna(rows.iloc[0]["seeds_needed"])
+                and rows.iloc[0].get("verdict_class") == "inconclusive"):
+            need.append(int(rows.iloc[0]["seeds_needed"]))
+    best = arms.sort_values("causal_bpb").iloc[0] if len(arms) else None
+    return {"decided": decided, "undecided": [c.id for c in undecided],
+            "regime_not_reached": [c.id for c in undecided if c.verdict_class == REGIME_NOT_REACHED],
+            "seeds_needed": [min(need), max(need)] if need else None,
+            "best_arm": None if best is None else str(best["arm"]),
+            "best_arm_is_random_control": bool(best is not None and best["variant"] in CONTROL_VARIANTS)}
 
 
 # --- equal search, collapsed tuning runs, like for like -------------------------------------------------
