@@ -176,3 +176,10 @@ gpu-smoke: gpu-bench-setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks
+
+# The static decode step on a lent GPU (issue 38): dense and sigmoid fixed:1,1 C = 0.125 at batch 1, 8 and 64, the
+# old decoder against the static step (eager, CUDA graph, compiled), one process → $(or $(OUT),reports/bench)/
+# decode-static-<gpu>.md and .json (modbench.bench.gpu_decode; --dry-run is its CPU check, tests/bench/test_gpu_decode.py).
+.PHONY: gpu-decode-bench
+gpu-decode-bench: gpu-pkg
+	$(GPU_RUN) -m modbench.bench.gpu_decode --out $(or $(OUT),reports/bench)

@@ -27,6 +27,7 @@ from .registry import (
     list_variants,
     random_controls,
     register_variant,
+    static_decode_refusal,
 )
 
 # Importing the modules registers the built-in variants.
@@ -56,5 +57,6 @@ __all__ = [
     "list_variants",
     "random_controls",
     "register_variant",
+    "static_decode_refusal",
     "topk_membership",
 ]

@@ -386,6 +386,13 @@ class Router(nn.Module):
     # weight elementwise in the token's own score (the causal paths recompute it from the token's state
     # inside the block; see ``RoutedBlock.routed_delta``).
     mixing: Mixing = Mixing()
+    # Why this router cannot decode with the static, sync-free step (``modbench.model.static_decode``),
+    # or "" when it can. That step runs the block on every sequence and mixes by the causal decision on
+    # the device, so any rule written as tensor code qualifies, whatever count it picks (a variable
+    # count included); a rule that reads the device on the host (``.item()``, a Python branch on a
+    # tensor) or needs a shape that depends on the decision says why here, and then decodes with the
+    # dynamic ``modbench.model.decode.Decoder`` (``generate(step="auto")`` falls back to it).
+    static_decode_refusal: ClassVar[str] = ""
 
     def __init__(self, config: VariantConfig) -> None:
         super().__init__()

@@ -284,5 +284,19 @@ def _aux_config(base: VariantSpec) -> type[VariantConfig]:
         bases=(base.config_cls,), frozen=True, namespace={"__post_init__": __post_init__, "__module__": __name__})
 
 
+def static_decode_refusal(name: str) -> str:
+    """Why variant ``name`` (a "+aux" alias included) cannot decode with the static, sync-free step
+    (``modbench.model.static_decode``), or "" when it can: its routers' ``Router.static_decode_refusal``
+    (the router class's, or for an unannotated builder one probe router's, built under a forked RNG)."""
+    spec = get_variant(name)
+    ret = _router_class(spec.builder)
+    if ret is None:
+        import torch
+
+        with torch.random.fork_rng(devices=[]):
+            return spec.build(8).static_decode_refusal
+    return ret.static_decode_refusal
+
+
 def build_router(name: str, d_model: int, options: Mapping[str, Any] | None = None) -> Router:
     return get_variant(name).build(d_model, options)

@@ -26,6 +26,13 @@ Generation (``Decoder``, ``generate``)
     (dense layers; any layer at batch 1) appends are slice writes and a one-token query needs
     no mask.
 
+The static step (``modbench.model.static_decode``): the same semantics with static shapes and no host
+sync, for a CUDA graph or ``torch.compile``. ``generate(step=...)`` picks the decoder: "dynamic" (this
+module's ``Decoder``), "static" (the static step, eager), "graph" (its one-token step replayed from a
+CUDA graph), "compile" (under ``torch.compile(fullgraph=True)``, "reduce-overhead" on CUDA), or "auto":
+"graph" on CUDA for every variant whose routers allow it (``Router.static_decode_refusal``), else
+"dynamic" — on a CPU a host read is free and the dynamic decoder skips the work of skipped tokens.
+
 Calibrating the causal rules and measuring the train/inference gap live in
 ``modbench.run.causal_eval``.
 """
@@ -43,8 +50,11 @@ from torch import Tensor
 
 from modbench.errors import ModbenchError, accepted
 from modbench.model.gpt import GPT, Attention, AttentionSummary, RoutedBlock, attention_summary
+from modbench.model.static_decode import MODES, StaticDecoder, static_refusal
 
-DECODE_MODES = ("causal", "dense")  # top-k cannot decode: it needs the future
+DECODE_MODES = MODES  # ("causal", "dense"): top-k cannot decode, it needs the future
+# generate's decoders (module doc): step name → the ``StaticDecoder`` runner (None: the dynamic ``Decoder``)
+STEPS = {"dynamic": None, "static": "eager", "graph": "graph", "compile": "compile"}
 
 
 # --- the KV cache -------------------------------------------------------------------------
@@ -331,6 +341,8 @@ class Generation:
     logits: Tensor | None = None  # (B, P + N − 1, V) when asked for: every fed position
     prefill_seconds: float = 0.0  # of ``seconds``: the prompt's pass and the first new token's sampling
     kv_bytes_per_token: float = 0.0  # valid K/V bytes per fed token and sequence (``Decoder.kv_bytes``)
+    step: str = "dynamic"  # the decoder that ran (``STEPS``)
+    setup_seconds: float = 0.0  # before ``seconds``: the static step's CUDA graph capture or compile (``prepare``)
 
     @property
     def new_tokens(self) -> Tensor:
@@ -376,8 +388,14 @@ def generate(
     seed: int = 0,
     return_logits: bool = False,
     autocast: torch.autocast | None = None,
+    step: str = "auto",
+    decoder: StaticDecoder | None = None,
 ) -> Generation:
-    """Sample ``max_new_tokens`` after each row of ``prompt`` (B, P) with a KV cache."""
+    """Sample ``max_new_tokens`` after each row of ``prompt`` (B, P) with a KV cache.
+
+    ``step``: which decoder (module doc; "auto" by default). ``decoder``: a ``StaticDecoder`` built
+    before (for this batch, at least P + max_new_tokens − 1 long) to reuse, reset first: its captured
+    CUDA graph or compiled step serves this generation too (``step`` is then its runner)."""
     if prompt.dim() != 2 or prompt.shape[1] < 1:
         raise ModbenchError("the prompt must hold at least one token per sequence")
     if max_new_tokens < 1:
@@ -389,9 +407,22 @@ def generate(
     B, P = prompt.shape
     generator = torch.Generator(device=device).manual_seed(seed)
     try:
-        decoder = Decoder(model, B, P + max_new_tokens - 1, mode=mode)
+        if decoder is None:
+            step = resolve_step(model, step, mode)
+            runner = STEPS[step]
+            decoder = Decoder(model, B, P + max_new_tokens - 1, mode=mode) if runner is None else \
+                StaticDecoder(model, B, P + max_new_tokens - 1, mode=mode, runner=runner)
+        else:
+            _check_reused(decoder, model, B, P + max_new_tokens - 1, mode)
+            decoder.reset()
+            step = next(name for name, runner in STEPS.items() if runner == decoder.runner)
+        setup = time.perf_counter()
+        if isinstance(decoder, StaticDecoder):
+            with autocast or nullcontext():
+                decoder.prepare()  # a capture or compile, outside the timed generation
         _sync(device)
         start = time.perf_counter()
+        setup_seconds = start - setup
         tokens, all_logits = [prompt], []
         feed = prompt
         for i in range(max_new_tokens):
@@ -419,7 +450,35 @@ def generate(
         logits=torch.cat(all_logits, dim=1) if return_logits else None,
         prefill_seconds=prefill_seconds,
         kv_bytes_per_token=decoder.kv_bytes_per_token,
+        step=step,
+        setup_seconds=setup_seconds,
     )
+
+
+def resolve_step(model: GPT, step: str, mode: str = "causal") -> str:
+    """The decoder ``generate`` runs for ``step`` (module doc): "auto" is "graph" on CUDA when the
+    model's routers allow the static step, else "dynamic"; a static step asked for by name for a
+    model whose routers refuse it is an error that says why."""
+    if step != "auto" and step not in STEPS:
+        raise ModbenchError(f"unknown decode step {step!r}: expected {accepted(('auto', *STEPS))}")
+    why = static_refusal(model) if mode == "causal" else None
+    cuda = model.head.weight.device.type == "cuda"
+    if step == "auto":
+        return "graph" if cuda and why is None else "dynamic"
+    if STEPS[step] is not None and why is not None:
+        raise ModbenchError(f"variant {model.routing.variant!r} cannot decode with step {step!r} ({why}); "
+                            "expected step 'dynamic' or 'auto'")
+    if step == "graph" and not cuda:
+        raise ModbenchError("decode step 'graph' replays a CUDA graph: the model is not on a CUDA device; "
+                            "expected step 'static', 'compile', 'dynamic' or 'auto'")
+    return step
+
+
+def _check_reused(decoder: StaticDecoder, model: GPT, batch: int, length: int, mode: str) -> None:
+    if decoder.model is not model or decoder.batch != batch or decoder.max_len < length or decoder.mode != mode:
+        raise ModbenchError(f"the decoder passed to generate was built for batch {decoder.batch}, "
+                            f"{decoder.max_len} tokens, mode {decoder.mode!r} (of another model?): expected "
+                            f"batch {batch}, at least {length} tokens, mode {mode!r}, the same model")
 
 
 def _sync(device: torch.device) -> None:

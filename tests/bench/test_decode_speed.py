@@ -22,15 +22,18 @@ trained router's auxiliary loss or threshold calibration makes hold for a fracti
 tokens (Raposo et al. 2024 §3.5); an untrained router would time some other capacity. So the
 routers are first calibrated as training ends (``calibrate_causal_rules``), then each routed
 layer, in order, gets its rule's cut moved so that it processes C of the tokens of random
-sequences (``calibrate_to_capacity``), and the test asserts the realised share is ≈ C.
+sequences (``calibrate_to_capacity``, ``modbench.bench.decode_calibration``), and the test asserts the realised share is ≈ C.
 
 The roofline column (``modbench.bench.decode_roofline``): per step and layer time = max(FLOPs /
 peak, bytes / bandwidth), a routed layer reading its weights only when some sequence of the batch
 processes the token, peak and bandwidth measured on the machine once per session.
 
-Why not ``torch.compile``: the decoder's shapes change every step (the cache grows, the subset
-of sequences that process a token varies); this times what ``modbench generate`` runs. bf16
-*weights* on CUDA rather than autocast: the KV cache takes the weights' dtype.
+Which decoder: what ``generate`` runs by default (``step="auto"``): on the CPU the dynamic decoder
+(its shapes change every step: the cache grows, the subset of sequences that process a token
+varies, and it skips their work), on CUDA the static step replayed from a CUDA graph
+(``modbench.model.static_decode``; the capture is excluded from the time, ``Generation.setup_seconds``),
+recorded as ``extra_info["step"]``. ``modbench.bench.gpu_decode`` times every decoder side by side.
+bf16 *weights* on CUDA rather than autocast: the KV cache takes the weights' dtype.
 """
 
 from __future__ import annotations
@@ -43,13 +46,13 @@ from torch import Tensor
 
 from modbench import variants
 from modbench.bench import decode_roofline
+from modbench.bench.decode_calibration import move_cuts_to_capacity
 from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.config.patterns import pattern_string
 from modbench.model.decode import Generation, generate
-from modbench.model.gpt import GPT, RoutedBlock
+from modbench.model.gpt import GPT
 from modbench.model.sizing import decode_flops_per_token
 from modbench.run.causal_eval import calibrate_causal_rules
-from modbench.variants import RunningMean
 
 CAPACITY = 0.125
 BATCHES = (1, 8, 64)
@@ -91,71 +94,13 @@ def _routing(variant: str, pattern: str | None) -> RoutingConfig:
 
 
 # --- calibration to C -------------------------------------------------------------------------
-def _cut(router) -> tuple[Tensor, float]:
-    """The number the router's causal rule compares against, as a tensor to shift in place, and
-    the direction (+1: raising it processes more tokens)."""
-    threshold = getattr(router, "threshold", None)
-    if isinstance(threshold, RunningMean):  # score >= threshold: norm, amod, learned_temperature, mlp_skip, random*
-        threshold.count.fill_(max(float(threshold.count), 1.0))  # (random: a threshold counts once calibrated)
-        return threshold.value, -1.0
-    if hasattr(router, "aux"):  # linear_softmax: the auxiliary predictor's logit > 0
-        return router.aux.net[-1].bias, 1.0
-    if hasattr(router, "gate"):  # mode_integrated: best expert's logit − the no-op's > 0
-        return router.gate.bias[-1:], -1.0
-    return router.scorer.proj.bias, 1.0  # a linear logit against a fixed cut (sigmoid, token_choice, …)
-
-
-class _Captured(Exception):
-    """Stops a forward at the routed layer whose router input was wanted (the rest is not needed)."""
-
-
-@torch.no_grad()
-def _router_input(model: GPT, router, idx: Tensor) -> tuple[Tensor, object]:
-    """(x, previous) that ``router.decide_causal_given`` sees in the causal pass over ``idx``."""
-    seen = []
-
-    def capture(x, previous):
-        seen.append((x, previous))
-        raise _Captured
-
-    router.decide_causal_given = capture  # an instance attribute shadows the method for one pass
-    try:
-        model(idx, routing_mode="causal")
-    except _Captured:
-        pass
-    finally:
-        del router.decide_causal_given
-    return seen[0]
-
-
 @torch.no_grad()
 def calibrate_to_capacity(model: GPT, idx: Tensor, capacity: float, steps: int = 40) -> None:
     """Calibrate the causal rules as training ends (``calibrate_causal_rules``), then move each
-    routed layer's cut (``_cut``), layer by layer in order, so that it processes ``capacity`` of the
-    tokens of ``idx`` in causal mode: bisection on the shift (the share is monotone in it). Layer
-    by layer because a layer's decisions change what every later router scores."""
+    routed layer's cut, layer by layer in order, so that it processes ``capacity`` of the tokens of
+    ``idx`` in causal mode (``modbench.bench.decode_calibration``)."""
     calibrate_causal_rules(model, [idx])
-    for layer in model.layers:
-        if not isinstance(layer, RoutedBlock):
-            continue
-        router = layer.router
-        x, previous = _router_input(model, router, idx)
-        cut, direction = _cut(router)
-        base = cut.clone()
-
-        def share(shift: float) -> float:
-            cut.copy_(base + direction * shift)
-            return router.decide_causal_given(x, previous).float().mean().item()
-
-        low, high = -1.0, 1.0
-        while share(low) > capacity and low > -1e6:
-            low *= 2
-        while share(high) < capacity and high < 1e6:
-            high *= 2
-        for _ in range(steps):
-            mid = 0.5 * (low + high)
-            low, high = (mid, high) if share(mid) < capacity else (low, mid)
-        share(high)
+    move_cuts_to_capacity(model, idx, capacity, steps)
 
 
 # --- the benchmark -------------------------------------------------------------------------------
@@ -269,8 +214,9 @@ def test_decode_tokens_per_s(variant, pattern, batch, device, run_bench, benchma
         )
         share = 1 - gen.skipped_fraction
         assert decode_flops_per_token(cfg, routing, T, share) < dense_fpt
+    assert gen.step == ("graph" if device == "cuda" else "dynamic")
     benchmark.extra_info.update(
-        skipped_fraction=gen.skipped_fraction, realised_share=share, layer_shares=gen.processed_shares,
+        step=gen.step, skipped_fraction=gen.skipped_fraction, realised_share=share, layer_shares=gen.processed_shares,
         flop_ratio=decode_flops_per_token(cfg, routing, T, share) / dense_fpt,
     )
     # Logits stay finite through prefill and decoding (a short generation that keeps them).

@@ -1,0 +1,280 @@
+"""KV-cached decode speed on a GPU, old decoder against the static step (issue 38, item 4): one command.
+
+    python -m modbench.bench.gpu_decode --out reports/bench            # on a CUDA machine (make gpu-decode-bench)
+    python -m modbench.bench.gpu_decode --dry-run --out /tmp/decode    # on a CPU: a tiny model, seconds
+
+In one process, for the dense GPT and each routed variant (default ``sigmoid`` with the pattern
+``fixed:1,1`` at C = 0.125, its routers' cuts moved so that each routed layer processes C of the
+tokens, ``modbench.bench.decode_calibration``), at batch 1, 8 and 64: a prompt of 64 tokens is
+prefilled and 128 new tokens sampled (127 one-token decode steps), d = 1024, depth 12, head 64, bf16
+weights (the KV cache takes the weights' dtype), temperature 1. What a cell counts is decode
+tokens/s, the decode steps alone (``Generation.decode_tokens_per_s``: prefill excluded, and a CUDA
+graph's capture or a compile too: ``StaticDecoder.prepare``), median of ``--rounds`` generations after
+one warm-up generation, with each decoder of ``modbench.model.decode.generate``:
+
+- ``dynamic``: the old decoder (``modbench.model.decode.Decoder``): the block on the sequences that
+  process the token, one host read per routed layer and step;
+- ``static``: the static, sync-free step (``modbench.model.static_decode``), eager;
+- ``graph``: that step captured once in a CUDA graph and replayed (what ``generate`` runs on CUDA);
+- ``compile``: that step under ``torch.compile(fullgraph=True, mode="reduce-overhead")``.
+
+One decoder per (variant, batch, step) serves its warm-up and timed generations (``reset``), so a
+capture or a compile happens once. A cell that fails (a compile error, out of memory) records its
+error in one line and the run goes on; the table and the JSON are rewritten after every cell, so a
+run cut short keeps what it measured; the cells run step by step in ``--steps`` order, so the
+compiles (each an Inductor compile of the whole 12-layer step, not yet timed on a GPU: expect tens of
+seconds each) come after every other cell. On a lent GPU with little time: ``--steps dynamic,static,graph``
+first. Written: ``<out>/<name>.md`` and ``<out>/<name>.json``, with
+the device name, torch and Python versions and the shapes.
+
+``--dry-run``: the same code path on the CPU with a tiny model (d 64, depth 4, prompt 8 + 8, batch 1
+and 2, fp32), the "graph" step recorded as not available (it needs CUDA) and "compile" traced by
+Dynamo's "eager" backend (fullgraph, no Inductor C++ compile), one thread: tests/bench/test_gpu_decode.py runs it,
+so the command cannot rot between GPU sessions. Needs only torch (no MLflow, Optuna or network).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from modbench.bench.decode_calibration import move_cuts_to_capacity
+from modbench.config.model import ModelConfig, RoutingConfig
+from modbench.model.decode import STEPS, generate
+from modbench.model.gpt import GPT
+from modbench.model.static_decode import StaticDecoder
+
+CAPACITY = 0.125
+PATTERN = "fixed:1,1"
+
+
+@dataclass(frozen=True)
+class Size:
+    """The model and the generation of one run."""
+
+    d_model: int
+    depth: int
+    head_dim: int
+    prompt: int
+    new_tokens: int
+    batches: tuple[int, ...]
+    dtype: str  # of the weights (and so of the KV cache)
+
+
+GPU = Size(1024, 12, 64, 64, 128, (1, 8, 64), "bfloat16")
+DRY = Size(64, 4, 16, 8, 8, (1, 2), "float32")
+
+
+@dataclass
+class Cell:
+    variant: str
+    batch: int
+    step: str
+    decode_tokens_per_s: float | None = None
+    rounds: list[float] = field(default_factory=list)  # decode tokens/s of each timed generation
+    setup_s: float | None = None  # capture / compile (first generation's ``setup_seconds``)
+    processed_share: float | None = None  # routed layers' realised share in the last generation
+    error: str | None = None
+
+
+def _model(size: Size, variant: str, device: torch.device, seed: int = 0) -> GPT:
+    """The GPT to decode, routers moved to C on random sequences of the full context."""
+    cfg = ModelConfig(depth=size.depth, n_embd=size.d_model, head_dim=size.head_dim,
+                      max_seq_len=size.prompt + size.new_tokens)
+    routing = RoutingConfig("dense", capacity=1.0) if variant == "dense" else \
+        RoutingConfig(variant, capacity=CAPACITY, pattern=PATTERN)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = GPT(cfg, routing)
+    model = model.to(getattr(torch, size.dtype)).eval()
+    if model.routers:
+        g = torch.Generator().manual_seed(2)
+        idx = torch.randint(0, cfg.vocab_size, (8, cfg.max_seq_len), generator=g).to(device)
+        move_cuts_to_capacity(model, idx, CAPACITY)
+    return model
+
+
+def _decoder(model: GPT, size: Size, batch: int, step: str, dry_run: bool) -> StaticDecoder | None:
+    """One decoder for a cell's generations (None: the dynamic decoder, built per generation)."""
+    runner = STEPS[step]
+    if runner is None:
+        return None
+    return StaticDecoder(model, batch, size.prompt + size.new_tokens - 1, runner=runner,
+                         compile_backend="eager" if dry_run and runner == "compile" else None)
+
+
+def measure(model: GPT, size: Size, cell: Cell, rounds: int, dry_run: bool) -> None:
+    """Fill ``cell``: one warm-up generation, then ``rounds`` timed ones (their median)."""
+    device = model.head.weight.device
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, model.cfg.vocab_size, (cell.batch, size.prompt), generator=g).to(device)
+    decoder = _decoder(model, size, cell.batch, cell.step, dry_run)
+    for i in range(rounds + 1):
+        kw = {"decoder": decoder} if decoder is not None else {"step": "dynamic"}
+        gen = generate(model, prompt, size.new_tokens, temperature=1.0, seed=3 + i, **kw)
+        assert gen.step == cell.step and torch.isfinite(gen.tokens.float()).all()
+        if i == 0:
+            cell.setup_s = gen.setup_seconds
+        else:
+            cell.rounds.append(gen.decode_tokens_per_s)
+        cell.processed_share = None if not model.routers else 1.0 - gen.skipped_fraction
+    cell.decode_tokens_per_s = statistics.median(cell.rounds)
+
+
+def environment(device: torch.device) -> dict[str, str]:
+    """What the numbers were measured on."""
+    cpu = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu,
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def _fmt(x: float | None, digits: int = 0) -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:,.{digits}f}"
+
+
+def markdown(env: dict, size: Size, variants: list[str], steps: list[str], cells: list[Cell]) -> str:
+    """Decode tokens/s per (batch, step), one column per variant, routed ÷ dense, and the static
+    steps' speed-up over the old decoder."""
+    at = {(c.variant, c.batch, c.step): c for c in cells}
+    routed = [v for v in variants if v != "dense"]
+    lines = [
+        f"# KV-cached decode tokens/s: old decoder vs static step ({env['device']})",
+        "",
+        f"torch {env['torch']} (CUDA {env['cuda']}), Python {env['python']}, {env['date']}. d {size.d_model}, depth "
+        f"{size.depth}, head {size.head_dim}, {size.dtype} weights; prompt {size.prompt} + {size.new_tokens - 1} decode "
+        f"steps; decode tokens/s (prefill, capture and compile excluded), median of the timed generations. Routed: "
+        f"pattern {PATTERN}, C = {CAPACITY} (realised share in brackets). `python -m modbench.bench.gpu_decode`.",
+        "",
+        "| batch | step | " + " | ".join(f"{v} tok/s" for v in variants) + "".join(f" | {v} ÷ dense" for v in routed) + " |",
+        "|---|---|" + "---|" * (len(variants) + len(routed)),
+    ]
+    for batch in size.batches:
+        for step in steps:
+            row = [str(batch), step]
+            for v in variants:
+                c = at.get((v, batch, step))
+                if c is None:
+                    row.append("—")
+                elif c.error:
+                    row.append(f"error: {c.error[:60]}")
+                else:
+                    share = "" if c.processed_share is None else f" ({c.processed_share:.3f})"
+                    row.append(_fmt(c.decode_tokens_per_s) + share)
+            dense = at.get(("dense", batch, step))
+            for v in routed:
+                c = at.get((v, batch, step))
+                ok = c and dense and c.decode_tokens_per_s and dense.decode_tokens_per_s
+                row.append(f"{c.decode_tokens_per_s / dense.decode_tokens_per_s:.2f}×" if ok else "—")
+            lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Speed-up of each static step over the old decoder (same variant and batch):", "",
+              "| variant | batch | " + " | ".join(s for s in steps if s != "dynamic") + " |",
+              "|---|---|" + "---|" * sum(s != "dynamic" for s in steps)]
+    for v in variants:
+        for batch in size.batches:
+            old = at.get((v, batch, "dynamic"))
+            row = [v, str(batch)]
+            for step in (s for s in steps if s != "dynamic"):
+                c = at.get((v, batch, step))
+                ok = c and old and c.decode_tokens_per_s and old.decode_tokens_per_s
+                row.append(f"{c.decode_tokens_per_s / old.decode_tokens_per_s:.2f}×" if ok else "—")
+            lines.append("| " + " | ".join(row) + " |")
+    setups = [c for c in cells if c.setup_s and c.step in ("graph", "compile")]
+    if setups:
+        lines += ["", "Set-up (capture or compile, once per variant, batch and step): " +
+                  ", ".join(f"{c.variant} B{c.batch} {c.step} {c.setup_s:.1f} s" for c in setups) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def write(out: Path, name: str, env: dict, size: Size, variants: list[str], steps: list[str], cells: list[Cell],
+          dry_run: bool) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"environment": env, "size": asdict(size), "capacity": CAPACITY, "pattern": PATTERN, "dry_run": dry_run,
+              "variants": variants, "steps": steps, "cells": [asdict(c) for c in cells]}
+    (out / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown(env, size, variants, steps, cells))
+
+
+def run(out: Path, name: str, *, variants: list[str], steps: list[str], batches: tuple[int, ...] | None = None,
+        rounds: int = 3, dry_run: bool = False, log=print) -> list[Cell]:
+    """Every (variant, batch, step) cell, written after each one (module doc)."""
+    device = torch.device("cpu" if dry_run else "cuda")
+    if not dry_run and not torch.cuda.is_available():
+        raise SystemExit("gpu_decode: no CUDA device (use --dry-run for the CPU check)")
+    size = DRY if dry_run else GPU
+    if batches:
+        size = Size(**{**asdict(size), "batches": tuple(batches)})
+    threads = torch.get_num_threads()
+    if dry_run:
+        torch.set_num_threads(1)  # (a shared CPU: a 2-thread region waits for its descheduled thread at every op)
+    try:
+        return _cells(out, name, size, device, variants, steps, rounds, dry_run, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _cells(out: Path, name: str, size: Size, device: torch.device, variants: list[str], steps: list[str], rounds: int,
+           dry_run: bool, log) -> list[Cell]:
+    env = environment(device)
+    models = {variant: _model(size, variant, device) for variant in variants}
+    cells: list[Cell] = []
+    for step in steps:  # step by step: the compiles (slowest to set up) come last, after every other cell
+        for variant in variants:
+            for batch in size.batches:
+                cell = Cell(variant, batch, step)
+                cells.append(cell)
+                if step == "graph" and device.type != "cuda":
+                    cell.error = "n/a: a CUDA graph needs a CUDA device"
+                else:
+                    try:
+                        measure(models[variant], size, cell, rounds, dry_run)
+                    except Exception as e:  # one failed cell (compile, memory) must not lose the others
+                        cell.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:200]
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+                log(f"{variant:>10} B{batch:<3} {step:>8}: "
+                    f"{cell.error or _fmt(cell.decode_tokens_per_s) + ' tok/s'}")
+                write(out, name, env, size, variants, steps, cells, dry_run)
+    return cells
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m modbench.bench.gpu_decode", description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("reports/bench"), help="output folder (default: reports/bench)")
+    p.add_argument("--name", default=None, help="file name without suffix (default: decode-static-<gpu> or decode-static-dry)")
+    p.add_argument("--variants", default="dense,sigmoid", help="comma-separated, dense first (default: dense,sigmoid)")
+    p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated decoders (default: {','.join(STEPS)})")
+    p.add_argument("--batches", default=None, help="comma-separated batch sizes (default: 1,8,64; dry run 1,2)")
+    p.add_argument("--rounds", type=int, default=3, help="timed generations per cell after one warm-up (default: 3)")
+    p.add_argument("--dry-run", action="store_true", help="the CPU check: a tiny model, seconds")
+    args = p.parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    steps = [s.strip() for s in args.steps.split(",") if s.strip()]
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown or not variants or args.rounds < 1:
+        p.error(f"steps must be among {', '.join(STEPS)} and rounds >= 1" if unknown or args.rounds < 1 else "no variant")
+    batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else None
+    if args.name is None:
+        gpu = "dry" if args.dry_run or not torch.cuda.is_available() else \
+            torch.cuda.get_device_name().lower().replace("nvidia", "").strip().split()[0]
+        args.name = f"decode-static-{gpu}"
+    run(args.out, args.name, variants=variants, steps=steps, batches=batches, rounds=args.rounds, dry_run=args.dry_run)
+    print(f"gpu_decode: {args.out / (args.name + '.md')} and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,384 @@
+"""KV-cached decoding with static shapes and no host sync: a step that a CUDA graph can replay.
+
+Why. ``modbench.model.decode.Decoder`` runs a routed layer's block on exactly the sequences that
+process the token: it reads on the host which they are (one sync per routed layer and step), and
+its cache grows step by step, so every step has new shapes. On a CPU that is the fast way (a host
+read costs nothing, skipped work is saved). On a GPU the step is then bound by the host: issue 38
+measured modbench's dense decode step at 6.0 ms on an H100 where its memory roofline is 0.10 ms,
+8-13x below a static-cache decoder of the same model captured in a CUDA graph. This module is that
+decoder for every variant: one step whose shapes depend only on (batch, max_len), with the position
+on the device, so that ``torch.compile(fullgraph=True)`` traces it as one graph and a CUDA graph
+replays it.
+
+The design: compute every row, then mask (the causal rule of Raposo et al. 2024, arXiv:2404.02258
+§3.5, decided on the device). A routed layer runs its block on every sequence of the batch and keeps
+the result only where the rule processes the token: ``torch.where(decide, x + w·Δ, skipped(x))``,
+through the model's own path (``RoutedBlock.pre_route`` / ``decide`` / ``routed_delta`` /
+``mix_causal``), exactly what ``GPT.forward(routing_mode="causal")`` does for a whole sequence and
+what the dynamic decoder does for a prompt. For a one-token step the "fixed-bound slot grid" is the
+B rows of the batch: it never overflows, so every count the rule can pick (0 … B) is exact, a
+variable-count router's (``token_choice``, ``threshold``, ``expert_threshold``, ``mor_token_choice``)
+included: at decode its count is whatever its rule picks, with no k_max slots and nothing dropped.
+Why not the alternatives: a gathered grid of fewer than B rows (vLLM's MoE sizing) must drop or
+defer the sequences beyond its bound when more of them process the token, which changes the model;
+a grid sized by the count needs the count on the host; ``torch.cond`` on "does any sequence process
+it" would save the block's weight reads when none does (the whole saving at batch 1), but its
+branches may not write the cache in place and its capture in a CUDA graph needs a GPU to check;
+bucketed graphs need the count on the host to pick a bucket. The price: the step does a dense
+step's block work at every routed layer (plus the router's), so on the device MoD saves no FLOPs
+per decode step here; what this step removes is the host overhead that issue 38 measured
+dominating both. (On CPU ``generate(step="auto")`` keeps the dynamic decoder, which does skip.)
+
+The cache (``StaticLayerCache``): per layer ``k``/``v`` of shape (B, H, max_len, hd), slot t holding
+the token at position t (keys rotated by RoPE at their position), and ``valid`` (B, max_len) bool.
+A token the layer processes writes its K/V at its slot and marks it valid; a skipped token writes
+*no* K/V: its slot keeps what it held (zeros in a fresh cache; ``torch.where`` on the decision picks
+the old contents) and stays invalid, so no later query ever sees it as a key — the same semantics as
+the dynamic decoder's compacted cache (which skips the write) and the causal pass's mask
+(``causal_routing_mask``). A new query sees the valid slots up to its own position, and its own slot
+always: for a processed token that is its key; a skipped token's query then sees finite numbers
+whose output the mix discards. Attention reads all max_len slots every step (a static shape), where
+the dynamic cache reads only the slots written so far.
+
+Runners (``StaticDecoder(runner=...)``; prompt chunks of more than one token always run eagerly):
+"eager" calls the step; "graph" captures the one-token step once in a ``torch.cuda.CUDAGraph`` (a
+warm-up on a side stream, then capture, the cache restored after) and replays it, the new tokens
+copied into a static input first; "compile" runs it under ``torch.compile(fullgraph=True)``, mode
+"reduce-overhead" on CUDA (Inductor's CUDA graphs; the cache tensors are marked static addresses so
+that their in-place updates stay inside the graph). ``prepare`` captures or compiles ahead of a
+generation, leaving the cache as it was; ``reset`` empties it in place, so one decoder (one capture,
+one compile) serves many generations of one batch size.
+
+A router that cannot use this step says why in ``Router.static_decode_refusal`` (registry:
+``modbench.variants.static_decode_refusal``); ``static_refusal`` reads it for a built model, and
+``modbench.model.decode.generate(step="auto")`` then decodes with the dynamic decoder. No built-in
+variant refuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from modbench.errors import ModbenchError, accepted
+from modbench.model.gpt import GPT, Attention, AttentionSummary, RoutedBlock, attention_summary
+
+RUNNERS = ("eager", "graph", "compile")
+MODES = ("causal", "dense")  # as ``modbench.model.decode.DECODE_MODES`` (top-k needs the future)
+GRAPH_WARMUP = 2  # eager steps on a side stream before a CUDA graph capture (lazy cuBLAS/SDPA setup)
+COMPILE_WARMUP = 3  # compiled steps before timing: compile, then Inductor's CUDA graph warm-up and recording
+
+
+# --- the static KV cache -----------------------------------------------------------------------
+def _slots(pos: Tensor, n: int) -> Tensor:
+    """(n,) the positions (= cache slots) of the n new tokens, from the device position."""
+    return pos + torch.arange(n, device=pos.device)
+
+
+def _visible(valid: Tensor, slots: Tensor) -> Tensor:
+    """(B, n, L) bool: slot s visible to new token j iff it is valid and s <= slot_j, or s is j's own slot."""
+    s = torch.arange(valid.shape[-1], device=valid.device)
+    before = s <= slots.unsqueeze(-1)  # (n, L)
+    own = s == slots.unsqueeze(-1)
+    return (valid.unsqueeze(1) & before) | own
+
+
+class StaticLayerCache:
+    """One layer's keys and values for a batch, slot t = position t, with a ``valid`` mask (module doc).
+
+    ``pos`` is the decoder's position tensor (shared by every layer): the slot of the first new token.
+    """
+
+    def __init__(self, batch: int, heads: int, max_len: int, head_dim: int, device, dtype, pos: Tensor) -> None:
+        self.k = torch.zeros(batch, heads, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.pos = pos
+
+    @property
+    def lengths(self) -> Tensor:
+        """(B,) slots holding a processed token: what ``kv_bytes`` counts (as ``LayerCache.lengths``)."""
+        return self.valid.sum(-1)
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The state a step mutates in place."""
+        return self.k, self.v, self.valid
+
+    def attend(self, attn: Attention, h: Tensor, cos: Tensor, sin: Tensor, keep: Tensor | None,
+               rows: Tensor | None = None, bound: int | None = None) -> Tensor:
+        """Attention output for new tokens ``h`` (B, n, d) at slots pos … pos + n − 1, their K/V
+        written where ``keep`` ((B, n) bool; None: every token). ``rows`` and ``bound`` belong to the
+        dynamic cache's subsets; a static step always holds every row."""
+        if rows is not None:
+            raise ValueError("a static cache step holds every sequence of the batch (rows=None)")
+        q, k, v = attn.project(h, cos, sin)
+        slots = _slots(self.pos, h.shape[1])
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
+        if keep is None:
+            self.k.index_copy_(2, slots, k)
+            self.v.index_copy_(2, slots, v)
+            self.valid.index_fill_(1, slots, True)
+        else:  # a skipped token writes nothing: its slot keeps its old contents and stays invalid
+            write = keep[:, None, :, None]
+            self.k.index_copy_(2, slots, torch.where(write, k, self.k.index_select(2, slots)))
+            self.v.index_copy_(2, slots, torch.where(write, v, self.v.index_select(2, slots)))
+            self.valid.index_copy_(1, slots, keep)
+        mask = _visible(self.valid, slots).unsqueeze(1)  # (B, 1, n, L)
+        y = F.scaled_dot_product_attention(q, self.k.to(q.dtype), self.v.to(q.dtype), attn_mask=mask)
+        if attn.expose:  # the next router reads this layer's attention (amod): each new token's self-weight
+            own = slots.expand(h.shape[0], -1)
+            weight = attention_summary(q, self.k, mask, own=own).self_weight
+            attn.exposed = AttentionSummary(weight if keep is None else weight * keep)
+        return attn.output(y)
+
+
+class StaticSharedCache:
+    """Recursive KV sharing (``ModelConfig.kv_sharing``, Mixture-of-Recursions arXiv:2507.10524 §2.3) on
+    the static cache: a later recursion step's queries attend to the valid slots of the step-0 cache of
+    the same layer up to their own position (step 0 ran first in the same pass), computing no K/V; a
+    query with no such slot gets a zero attention output — as ``modbench.model.decode.SharedLayerCache``."""
+
+    def __init__(self, source: StaticLayerCache) -> None:
+        self.source = source
+
+    @property
+    def lengths(self) -> Tensor:
+        return torch.zeros_like(self.source.valid[:, 0], dtype=torch.long)  # stores nothing
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return ()
+
+    def attend(self, attn: Attention, h: Tensor, cos: Tensor, sin: Tensor, keep: Tensor | None,
+               rows: Tensor | None = None, bound: int | None = None) -> Tensor:
+        src = self.source
+        q = attn.query(h, cos, sin)
+        slots = _slots(src.pos, h.shape[1])
+        s = torch.arange(src.valid.shape[-1], device=h.device)
+        vis = src.valid.unsqueeze(1) & (s <= slots.unsqueeze(-1))  # (B, n, L)
+        has = vis.any(-1, keepdim=True)  # a key to attend to (a device flag, no branch)
+        y = F.scaled_dot_product_attention(q, src.k.to(q.dtype), src.v.to(q.dtype), attn_mask=(vis | ~has).unsqueeze(1))
+        return attn.output(y * has.unsqueeze(1).to(y.dtype))
+
+
+def _uncached_autocast(device: torch.device):
+    """The autocast in force, without its cast cache, for a CUDA graph capture: a cached cast made
+    outside the capture would be read by the graph as a plain tensor (and freed when the caller's
+    autocast exits), so every cast must happen inside it (as torch.cuda.graph's notes ask)."""
+    if not torch.is_autocast_enabled(device.type):
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.get_autocast_dtype(device.type), cache_enabled=False)
+
+
+# --- which models can use it ------------------------------------------------------------------
+def static_refusal(model: GPT) -> str | None:
+    """Why ``model`` cannot decode causally with the static step (its first router that says so,
+    ``Router.static_decode_refusal``), or None when it can."""
+    for router in model.routers:
+        if router.static_decode_refusal:
+            return f"{type(router).__name__}: {router.static_decode_refusal}"
+    return None
+
+
+# --- the decoder --------------------------------------------------------------------------------
+class StaticDecoder:
+    """Feeds tokens through ``model`` with static KV caches: ``decoder(idx)`` takes the next (B, n)
+    tokens of every sequence and returns their logits (B, n, V), as ``modbench.model.decode.Decoder``
+    (mode "causal" routes by the causal rule; "dense" runs every routed layer as a plain block).
+
+    ``step`` is the static, sync-free computation; ``runner`` says how a one-token call runs it
+    (``RUNNERS``, module doc). ``compile_backend`` overrides torch.compile's backend for the
+    "compile" runner (tests use "eager": Dynamo's tracing, no code generation). ``reset`` empties
+    the caches so that one decoder (and its captured graph or compiled step) serves many generations.
+    """
+
+    def __init__(self, model: GPT, batch: int, max_len: int, *, mode: str = "causal", runner: str = "eager",
+                 compile_backend: str | Callable | None = None) -> None:
+        if mode not in MODES:
+            raise ModbenchError(f"cannot decode with routing mode {mode!r}: expected {accepted(MODES)} "
+                                "(top-k needs the scores of future tokens)")
+        if runner not in RUNNERS:
+            raise ModbenchError(f"unknown static decode runner {runner!r}: expected {accepted(RUNNERS)}")
+        cfg = model.cfg
+        if max_len > cfg.max_seq_len:
+            raise ModbenchError(f"prompt + new tokens = {max_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+        why = static_refusal(model) if mode == "causal" else None
+        if why is not None:
+            raise ModbenchError(f"variant {model.routing.variant!r} cannot decode with the static step ({why}); "
+                                "use the dynamic decoder (generate(step='dynamic'))")
+        p = model.head.weight
+        if runner == "graph" and p.device.type != "cuda":
+            raise ModbenchError(f"the 'graph' runner captures a CUDA graph: the model is on {p.device.type}, "
+                                "expected cuda (use runner 'eager' or 'compile')")
+        self.model, self.mode, self.batch, self.max_len, self.runner = model, mode, batch, max_len, runner
+        self.routed = mode == "causal"
+        self.compile_backend = compile_backend
+        self.pos = torch.zeros((), dtype=torch.long, device=p.device)  # the next token's position
+        hd = cfg.width // cfg.heads
+        self.caches: list[StaticLayerCache | StaticSharedCache] = []
+        for src in model.kv_sources:  # a later step under recursive KV sharing reads step 0's cache
+            self.caches.append(StaticLayerCache(batch, cfg.heads, max_len, hd, p.device, p.dtype, self.pos)
+                               if src is None else StaticSharedCache(self.caches[src]))
+        n_routed = sum(isinstance(layer, RoutedBlock) for layer in model.layers)
+        self.processed = torch.zeros(n_routed, dtype=torch.long, device=p.device)  # per routed layer, on the device
+        self.fed = 0  # tokens fed per sequence, counted on the host (bounds and shares: no sync)
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph_idx: Tensor | None = None
+        self._graph_out: Tensor | None = None
+        self._compiled = None
+
+    # --- state ---------------------------------------------------------------------------------
+    def state(self) -> list[Tensor]:
+        """Every tensor a step mutates in place: the position, the counts and the caches."""
+        return [self.pos, self.processed, *(t for c in self.caches for t in c.tensors())]
+
+    def reset(self) -> None:
+        """Empty the caches (in place: a captured graph keeps its addresses) for a new generation."""
+        for t in self.state():
+            t.zero_()
+        self.fed = 0
+
+    @property
+    def routed_total(self) -> int:
+        """Per routed layer: the token computations the causal rule decided on so far."""
+        return self.fed * self.batch if self.routed else 0
+
+    @property
+    def processed_counts(self) -> list[int]:
+        return [int(c) for c in self.processed.tolist()] if self.routed else [0] * self.processed.numel()
+
+    @property
+    def processed_shares(self) -> list[float]:
+        return [c / max(self.routed_total, 1) for c in self.processed_counts]
+
+    @property
+    def skipped_fraction(self) -> float:
+        if not self.routed_total or not self.processed.numel():
+            return 0.0
+        return 1.0 - sum(self.processed_counts) / (self.routed_total * self.processed.numel())
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the K/V entries of the valid slots (as ``Decoder.kv_bytes``). One host sync."""
+        caches = [c for c in self.caches if isinstance(c, StaticLayerCache)]
+        slots = torch.stack([c.valid.sum() for c in caches]).sum()
+        k = caches[0].k
+        return int(slots) * 2 * k.shape[1] * k.shape[3] * k.element_size()
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self.kv_bytes / max(self.fed * self.batch, 1)
+
+    # --- feeding -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def __call__(self, idx: Tensor) -> Tensor:
+        B, n = idx.shape
+        if B != self.batch:
+            raise ValueError(f"decoder was built for batch {self.batch}, got {B}")
+        if self.fed + n > self.max_len:
+            raise ModbenchError(f"decoding past {self.max_len} tokens: raise the decoder's max_len")
+        if n == 1 and self.runner == "graph":
+            logits = self._replay(idx)
+        elif n == 1 and self.runner == "compile":
+            logits = self._compiled_step(idx)
+        else:
+            logits = self.step(idx)
+        self.fed += n
+        return logits
+
+    def step(self, idx: Tensor) -> Tensor:
+        """The static step: (B, n) tokens at positions ``pos`` … ``pos`` + n − 1 → logits (B, n, V).
+        Shapes depend on (B, n, max_len) alone, nothing is read on the host, state changes in place."""
+        m = self.model
+        slots = _slots(self.pos, idx.shape[1])
+        cos, sin = m.rope_cos.index_select(0, slots), m.rope_sin.index_select(0, slots)
+        x = m.embed(idx)
+        previous = None  # the last routed layer's decisions (nested routing), its handoff, or attention (amod)
+        j = 0  # the routed layer's index
+        for layer, cache in zip(m.layers, self.caches):
+            attn = layer.block.attn
+            if isinstance(layer, RoutedBlock) and self.routed:
+                # The model's own causal path, every row computed: skipped rows' K/V are not written
+                # (``keep``) and their output is the skip rule's (``mix_causal``'s torch.where).
+                x = layer.pre_route(x, cos, sin, cache=cache)
+                decide, handoff = layer.decide(x, previous)
+                self.processed[j] += decide.sum()
+                delta = layer.routed_delta(x, cos, sin, cache=cache, keep=decide)
+                x = layer.mix_causal(x, decide, delta, handoff)
+                previous = decide if handoff is None else handoff  # (mor_token_choice: the depths chosen up front)
+                j += 1
+            else:
+                x = x + layer.block.delta(x, cos, sin, cache=cache)
+            if attn.expose:  # the next router reads this layer's attention (amod)
+                previous = attn.take_exposed()
+        self.pos.add_(idx.shape[1])
+        return m.head(m.norm(x))
+
+    # --- runners -------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Capture ("graph") or compile and warm up ("compile") the one-token step now, leaving the
+        caches as they were, so that a generation's timing starts at steady state (``generate`` calls
+        it before its clock and reports its time as ``Generation.setup_seconds``). Idempotent; nothing
+        to do for "eager". Call it under the autocast the steps will run under."""
+        if self.runner == "graph" and self._graph is None:
+            self._capture()
+        elif self.runner == "compile" and self._compiled is None:
+            with torch.no_grad(), self._scratch():
+                for _ in range(COMPILE_WARMUP):
+                    self._compiled_step(torch.zeros(self.batch, 1, dtype=torch.long, device=self.pos.device))
+
+    @contextmanager
+    def _scratch(self):
+        """Steps run inside change nothing: every mutated tensor is saved before and restored after,
+        and they run from position 0 (whatever was fed already, they stay inside the cache)."""
+        saved = [t.clone() for t in self.state()]
+        self.pos.zero_()
+        try:
+            yield
+        finally:
+            for t, s in zip(self.state(), saved):
+                t.copy_(s)
+
+    def _replay(self, idx: Tensor) -> Tensor:
+        if self._graph is None:
+            self._capture()
+        self._graph_idx.copy_(idx)
+        self._graph.replay()
+        return self._graph_out.clone()  # the next replay overwrites the graph's output
+
+    @torch.no_grad()
+    def _capture(self) -> None:
+        """Capture the one-token step in a CUDA graph: warm-up steps run eagerly on a side stream (as
+        ``torch.cuda.graphs`` asks: lazy cuBLAS and SDPA set-up happen outside the capture), all of it
+        inside ``_scratch``, so capturing mid-generation changes nothing."""
+        device = self.pos.device
+        self._graph_idx = torch.zeros(self.batch, 1, dtype=torch.long, device=device)
+        with self._scratch(), _uncached_autocast(device):
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(GRAPH_WARMUP):
+                    self.step(self._graph_idx)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._graph_out = self.step(self._graph_idx)
+        self._graph = graph
+
+    def _compiled_step(self, idx: Tensor) -> Tensor:
+        cuda = self.pos.device.type == "cuda"
+        if self._compiled is None:
+            if self.compile_backend is not None:
+                self._compiled = torch.compile(self.step, fullgraph=True, dynamic=False, backend=self.compile_backend)
+            else:
+                if cuda:  # in-place updates of these stay inside Inductor's CUDA graph
+                    for t in self.state():
+                        torch._dynamo.mark_static_address(t)
+                self._compiled = torch.compile(self.step, fullgraph=True, dynamic=False,
+                                               mode="reduce-overhead" if cuda else None)
+        if cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        return self._compiled(idx).clone()  # (a CUDA graph's output is overwritten by its next replay)

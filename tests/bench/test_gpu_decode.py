@@ -1,0 +1,54 @@
+"""The GPU decode bench (``modbench.bench.gpu_decode``, issue 38 item 4) runs end to end on the CPU.
+
+Its ``--dry-run`` is the very command a lent GPU runs, on a tiny fp32 model: every decoder of
+``generate`` (the old dynamic decoder, the static step eager and compiled; the CUDA graph recorded as
+not available here) at two batch sizes, for dense and sigmoid, written as markdown and JSON with the
+environment. So the prepared command cannot rot between GPU sessions.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from modbench.bench import gpu_decode
+
+
+def test_dry_run_writes_every_cell(tmp_path, capsys):
+    assert gpu_decode.main(["--dry-run", "--out", str(tmp_path), "--rounds", "1"]) == 0
+    record = json.loads((tmp_path / "decode-static-dry.json").read_text())
+    md = (tmp_path / "decode-static-dry.md").read_text()
+    assert record["dry_run"] and record["environment"]["torch"] == torch.__version__
+    assert record["environment"]["device"].startswith("cpu") and record["environment"]["python"]
+    cells = {(c["variant"], c["batch"], c["step"]): c for c in record["cells"]}
+    assert set(cells) == {(v, b, s) for v in ("dense", "sigmoid") for b in (1, 2)
+                          for s in ("dynamic", "static", "graph", "compile")}
+    for (variant, batch, step), c in cells.items():
+        if step == "graph":
+            assert c["error"].startswith("n/a") and c["decode_tokens_per_s"] is None
+            continue
+        assert c["error"] is None, c
+        assert c["decode_tokens_per_s"] > 0 and len(c["rounds"]) == 1
+        assert (c["processed_share"] is None) == (variant == "dense")
+        if variant == "sigmoid":
+            assert 0.0 < c["processed_share"] < 0.5  # routed layers moved to C = 0.125 (a tiny sample)
+    assert "| 1 | static |" in md and "sigmoid ÷ dense" in md and "Speed-up of each static step" in md
+    assert md.count("\n| ") >= 2 * 4 + 4 and "decode-static-dry.md" in capsys.readouterr().out
+
+
+def test_a_failing_cell_is_recorded_and_the_rest_run(tmp_path, monkeypatch):
+    """One cell's error (a compile failure, memory) is one line in its cell; the others are measured."""
+    real = gpu_decode.measure
+
+    def failing(model, size, cell, rounds, dry_run):
+        if cell.step == "static":
+            raise RuntimeError("out of memory\nsecond line")
+        return real(model, size, cell, rounds, dry_run)
+
+    monkeypatch.setattr(gpu_decode, "measure", failing)
+    cells = gpu_decode.run(tmp_path, "t", variants=["dense"], steps=["dynamic", "static"], batches=(1,), rounds=1,
+                           dry_run=True, log=lambda line: None)
+    assert [c.error for c in cells] == [None, "RuntimeError: out of memory"]
+    assert cells[0].decode_tokens_per_s > 0
+    assert "error: RuntimeError: out of memory" in (tmp_path / "t.md").read_text()

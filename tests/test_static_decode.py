@@ -1,0 +1,292 @@
+"""The static, sync-free decode step (``modbench.model.static_decode``; issue 38, items 1 and 2).
+
+Swept over every registered variant and every "+aux" decode rule (as tests/test_causal.py):
+
+- exactness: KV-cached generation with the static step equals the causal full pass (float32, CPU,
+  atol 1e-5), at batch 1 and at a batch whose sequences skip different tokens, and agrees with the
+  dynamic decoder (same tokens, shares and KV bytes);
+- a skipped token writes no K/V: its cache slot stays untouched (zero) and invalid, and the valid
+  slots are exactly the tokens the causal pass processed;
+- no host sync: a decode step calls none of the host-reading tensor methods, and it compiles with
+  ``torch.compile(fullgraph=True)`` into one graph with no host-syncing op, reused at every step (a
+  graph break, a host read or a data-dependent shape would fail it). Backend "eager": Dynamo's
+  tracing alone, which is what finds graph breaks, without Inductor's C++ compile (minutes on 2
+  cores for the sweep); the compiled step's logits must still equal the causal pass. A router that
+  reads the device in its rule is shown to fail the same check.
+
+Recursive KV sharing (``StaticSharedCache``), the dense mode, chunked feeding, reuse of one decoder,
+the fallback of a router that refuses the static step, and (on CUDA only) the CUDA-graph runner.
+The routed training forward's fullgraph compile is tests/bench/test_compile.py's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modbench import variants
+from modbench.config.model import ModelConfig, RoutingConfig
+from modbench.errors import ModbenchError
+from modbench.model.decode import Decoder, generate, resolve_step
+from modbench.model.gpt import GPT, RoutedBlock
+from modbench.model.static_decode import StaticDecoder, StaticLayerCache, StaticSharedCache, static_refusal
+from modbench.run.causal_eval import calibrate_causal_rules
+
+ALL = variants.list_variants() + variants.decode_aliases()
+ROUTED = [v for v in ALL if variants.get_variant(v).scope != "none"]
+SYNC_FREE = [v for v in ALL if not variants.static_decode_refusal(v)]  # what claims the static step
+CFG = ModelConfig(depth=3, n_embd=32, head_dim=8, max_seq_len=32)
+T = 32
+SYNCING = ("item", "tolist", "nonzero", "_local_scalar_dense", "masked_select", "unique", "cpu", "numpy")
+
+
+def model(name: str, cfg: ModelConfig = CFG, pattern: str = "MDM", capacity: float = 0.25) -> GPT:
+    """A tiny GPT whose routers have a real spread and calibrated causal rules (as tests/test_causal.py)."""
+    torch.manual_seed(0)
+    m = GPT(cfg, RoutingConfig(name, capacity=capacity, pattern=pattern))
+    for r in m.routers:
+        for pname, p in r.named_parameters():
+            if pname.endswith("bias"):
+                torch.nn.init.zeros_(p)  # zero-mean logits: both decisions occur
+            elif p.dim() > 0:
+                torch.nn.init.normal_(p, std=0.5)
+    calibrate_causal_rules(m, [torch.randint(0, 256, (4, T), generator=torch.Generator().manual_seed(9))])
+    return m.eval()
+
+
+def decisions(m: GPT, idx: torch.Tensor) -> list[torch.Tensor]:
+    """Per routed layer, (B, T) bool: what the causal full pass processes."""
+    m.set_collect_stats(True)
+    try:
+        with torch.no_grad():
+            return [s["decide"] for s in m(idx, routing_mode="causal").stats]
+    finally:
+        m.set_collect_stats(False)
+
+
+def prompt(batch: int, length: int = 4) -> torch.Tensor:
+    return torch.randint(0, 256, (batch, length), generator=torch.Generator().manual_seed(batch))
+
+
+def test_every_builtin_variant_claims_the_static_step():
+    """No built-in router refuses: the compute-then-mask step has no shape that depends on the count."""
+    assert SYNC_FREE == ALL and len(ALL) > 20
+    assert {"token_choice", "threshold", "expert_threshold", "mor_token_choice", "amod", "sigmoid+aux"} <= set(SYNC_FREE)
+
+
+# --- exactness ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", SYNC_FREE)
+@pytest.mark.parametrize("batch", [1, 5])
+def test_static_generation_equals_the_causal_forward_and_the_dynamic_decoder(name, batch):
+    """Batch 5 has steps where all, some and none of the sequences process a token."""
+    m = model(name)
+    p = prompt(batch)
+    out = generate(m, p, 12, temperature=0, return_logits=True, step="static")
+    assert out.step == "static"
+    full = m(out.tokens[:, :-1], routing_mode="causal").logits
+    torch.testing.assert_close(out.logits, full, atol=1e-5, rtol=1e-5)
+    dynamic = generate(m, p, 12, temperature=0, return_logits=True, step="dynamic")
+    assert torch.equal(out.tokens, dynamic.tokens)
+    assert out.kv_bytes_per_token == dynamic.kv_bytes_per_token  # the valid slots, not the allocation
+    assert out.processed_shares == pytest.approx(dynamic.processed_shares)
+    if name in ROUTED:
+        expected = [d.float().mean().item() for d in decisions(m, out.tokens[:, :-1])]
+        assert out.processed_shares == pytest.approx(expected)
+        assert out.skipped_fraction == pytest.approx(1 - sum(expected) / len(expected))
+        assert 0.0 < out.skipped_fraction < 1.0 or batch == 1  # (one greedy sequence may repeat a skipped byte)
+    else:
+        assert out.skipped_fraction == 0.0 and out.processed_shares == []
+
+
+@pytest.mark.parametrize("name", [v for v in ROUTED if v in SYNC_FREE])
+def test_skipped_tokens_write_no_kv(name):
+    """At a routed layer of scope "block" the valid slots are exactly the tokens the causal pass
+    processed, and every other slot is untouched (still the fresh cache's zeros); scope "mlp" routes
+    the MLP alone, so its attention caches every token."""
+    m = model(name)
+    idx = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(2))
+    dec = StaticDecoder(m, 3, 24)
+    with torch.no_grad():
+        dec(idx[:, :6])
+        for t in range(6, 20):
+            dec(idx[:, t : t + 1])
+    routed = [c for layer, c in zip(m.layers, dec.caches) if isinstance(layer, RoutedBlock)]
+    assert routed and all(isinstance(c, StaticLayerCache) for c in routed)
+    for cache, decide in zip(routed, decisions(m, idx)):
+        expected = decide if m.routers[0].scope == "block" else torch.ones_like(decide)
+        assert torch.equal(cache.valid[:, :20], expected)
+        assert not cache.valid[:, 20:].any()
+        invalid = ~cache.valid
+        assert (cache.k.transpose(1, 2)[invalid] == 0).all() and (cache.v.transpose(1, 2)[invalid] == 0).all()
+        assert (cache.k.transpose(1, 2)[cache.valid] != 0).any(-1).all()  # every processed token wrote a key
+    if m.routers[0].scope == "block":
+        assert 0 < sum(int(c.valid.sum()) for c in routed) < 3 * 20 * len(routed)  # some skipped, some not
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "mlp_skip", "amod"])
+def test_dense_mode_and_chunked_feeding(name):
+    m = model(name)
+    idx = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        dense = StaticDecoder(m, 3, 20, mode="dense")
+        got = torch.cat([dense(idx[:, :7]), dense(idx[:, 7:8]), dense(idx[:, 8:])], dim=1)
+        torch.testing.assert_close(got, m(idx, routing_mode="dense").logits, atol=1e-5, rtol=1e-5)
+        causal = StaticDecoder(m, 3, 20)
+        got = torch.cat([causal(idx[:, :4]), causal(idx[:, 4:12]), *[causal(idx[:, i : i + 1]) for i in range(12, 20)]], 1)
+        torch.testing.assert_close(got, m(idx, routing_mode="causal").logits, atol=1e-5, rtol=1e-5)
+    assert dense.skipped_fraction == 0.0 and 0.0 < causal.skipped_fraction < 1.0
+
+
+@pytest.mark.parametrize("name", ["dense", "sigmoid", "mor", "mor_token_choice"])
+@pytest.mark.parametrize("share", [True, False])
+def test_recursive_models_with_and_without_kv_sharing(name, share):
+    """Middle-Cycle N_R = 3: later applications read step 0's static cache (``StaticSharedCache``)
+    with sharing, keep their own without; both decode as the causal pass."""
+    cfg = ModelConfig(depth=5, n_embd=32, head_dim=8, max_seq_len=T, recursion="middle_cycle", recursions=3,
+                      kv_sharing=share)
+    m = model(name, cfg, pattern="fixed:1,1", capacity=0.5)
+    out = generate(m, prompt(3, 5), 12, temperature=0, return_logits=True, step="static")
+    torch.testing.assert_close(out.logits, m(out.tokens[:, :-1], routing_mode="causal").logits, atol=1e-5, rtol=1e-5)
+    dynamic = generate(m, prompt(3, 5), 12, temperature=0, step="dynamic")
+    assert out.kv_bytes_per_token == dynamic.kv_bytes_per_token
+    dec = StaticDecoder(m, 1, 4)
+    assert any(isinstance(c, StaticSharedCache) for c in dec.caches) == share
+
+
+def test_one_decoder_serves_many_generations():
+    """``reset`` empties the caches in place: a reused decoder generates what a fresh one does."""
+    m = model("sigmoid")
+    p = prompt(2)
+    fresh = generate(m, p, 10, temperature=0, return_logits=True, step="static")
+    dec = StaticDecoder(m, 2, 4 + 10 - 1)  # as long as generate's own (the attention length sets the rounding)
+    for _ in range(2):
+        again = generate(m, p, 10, temperature=0, return_logits=True, decoder=dec)
+        assert torch.equal(again.tokens, fresh.tokens) and torch.equal(again.logits, fresh.logits)
+        assert again.processed_shares == fresh.processed_shares and again.step == "static"
+    with pytest.raises(ModbenchError, match="built for batch 2"):
+        generate(m, prompt(3), 10, decoder=dec)
+    with pytest.raises(ModbenchError, match="at least 14 tokens"):
+        generate(m, p, 11, decoder=dec)
+    with pytest.raises(ModbenchError, match="decoding past 13"):
+        dec.reset()
+        dec(torch.zeros(2, 14, dtype=torch.long))
+
+
+# --- no host sync ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["sigmoid", "mlp_skip", "nested", "amod", "token_choice", "dense"])
+def test_a_static_step_reads_nothing_on_the_host(name, monkeypatch):
+    """The dynamic decoder reads the device once per routed layer and step; the static step never."""
+    m = model(name)
+    dec = StaticDecoder(m, 3, 20)
+    with torch.no_grad():
+        feed = dec(prompt(3))[:, -1:].argmax(-1)
+    reads = []
+    for method in ("item", "tolist", "__int__", "__bool__", "__float__", "__index__", "nonzero"):
+        original = getattr(torch.Tensor, method)
+
+        def counted(self, *a, _original=original, _name=method, **k):
+            reads.append(_name)
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    with torch.no_grad():
+        for _ in range(6):
+            feed = dec(feed)[:, -1:].argmax(-1)
+    assert reads == []
+
+
+def _recording(graphs: list):
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward  # backend "eager": run the traced graph as it is
+
+    return record
+
+
+def _compiled_generation(m: GPT, batch: int, graphs: list):
+    torch._dynamo.reset()
+    dec = StaticDecoder(m, batch, 16, runner="compile")
+    dec.compile_backend = _recording(graphs)  # Dynamo with fullgraph=True, then the graph run eagerly
+    return generate(m, prompt(batch), 12, temperature=0, return_logits=True, decoder=dec)
+
+
+def assert_compiles_sync_free(m: GPT, batch: int = 3) -> None:
+    """fullgraph=True raises on any graph break (a branch on a tensor, a data-dependent shape, a host
+    read Dynamo will not trace); the one graph must hold no host-syncing op (a traced ``.item()``), and
+    it must serve all 11 one-token steps (no recompile: what a CUDA graph replay needs); its logits
+    are the causal pass's."""
+    graphs: list = []
+    out = _compiled_generation(m, batch, graphs)
+    assert out.step == "compile" and len(graphs) == 1
+    names = [str(n.target) for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")]
+    syncing = [n for n in names if any(n == s or n.endswith(f".{s}") or f" {s}" in n for s in SYNCING)]
+    assert syncing == [], f"host-syncing ops in the compiled step: {syncing}"
+    torch.testing.assert_close(out.logits, m(out.tokens[:, :-1], routing_mode="causal").logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", SYNC_FREE)
+def test_the_decode_step_compiles_to_one_graph_without_host_syncs(name):
+    assert_compiles_sync_free(model(name))
+
+
+@pytest.mark.parametrize("host_read", ["branch", "item"])
+def test_a_rule_that_reads_the_device_fails_the_check(host_read, monkeypatch):
+    """The check above can fail: a causal rule that branches on a tensor breaks the graph; one that
+    reads a scalar (traced by Dynamo as ``item``) leaves a host-syncing op in it."""
+    m = model("sigmoid")
+    router = m.routers[0]
+    rule = router.decide_causal
+
+    def branching(x):
+        return rule(x) if router.scorer(x).mean() < 1e9 else ~rule(x)
+
+    def reading(x):
+        return rule(x * (1.0 + 0.0 * router.scorer(x).abs().max().item()))
+
+    monkeypatch.setattr(router, "decide_causal", branching if host_read == "branch" else reading)
+    with pytest.raises(Exception, match="(?i)graph break|data.dependent|Unsupported|host-syncing ops"):
+        assert_compiles_sync_free(m, 2)
+
+
+def test_a_router_that_refuses_the_static_step_falls_back_to_the_dynamic_decoder(monkeypatch):
+    m = model("sigmoid")
+    refusal = "its rule sizes a tensor by the decision"
+    monkeypatch.setattr(type(m.routers[0]), "static_decode_refusal", refusal)
+    assert variants.static_decode_refusal("sigmoid") == refusal and refusal in static_refusal(m)
+    assert resolve_step(m, "auto") == "dynamic"
+    out = generate(m, prompt(2), 6, temperature=0, step="auto")
+    assert out.step == "dynamic"
+    with pytest.raises(ModbenchError, match=f"cannot decode with step 'static'.*{refusal}"):
+        generate(m, prompt(2), 6, step="static")
+    with pytest.raises(ModbenchError, match="cannot decode with the static step"):
+        StaticDecoder(m, 2, 8)
+    assert resolve_step(m, "static", mode="dense") == "static"  # routing off: no rule to refuse
+
+
+def test_step_choice_on_cpu():
+    """"auto" keeps the dynamic decoder on a CPU (a host read is free there, and it skips the work);
+    "graph" needs CUDA; unknown names are one-line errors."""
+    m = model("sigmoid")
+    assert resolve_step(m, "auto") == "dynamic" and generate(m, prompt(1), 3).step == "dynamic"
+    with pytest.raises(ModbenchError, match="needs|CUDA") as e:
+        generate(m, prompt(1), 3, step="graph")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ModbenchError, match="unknown decode step 'fast'"):
+        generate(m, prompt(1), 3, step="fast")
+    with pytest.raises(ModbenchError, match="captures a CUDA graph"):
+        StaticDecoder(m, 1, 8, runner="graph")
+    assert isinstance(Decoder(m, 1, 8), Decoder)  # (the dynamic decoder is unchanged)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+@pytest.mark.parametrize("name", ["dense", "sigmoid", "token_choice", "amod"])
+def test_cuda_graph_replay_equals_the_eager_static_step(name):
+    """On CUDA: the captured one-token step, replayed, gives the eager static step's logits; capturing
+    mid-generation (after a prefill) leaves the cache as it was."""
+    m = model(name).cuda()
+    p = prompt(4).cuda()
+    eager = generate(m, p, 12, temperature=0, return_logits=True, step="static")
+    graph = generate(m, p, 12, temperature=0, return_logits=True, step="graph")
+    assert graph.step == "graph" and torch.equal(graph.tokens, eager.tokens)
+    torch.testing.assert_close(graph.logits, eager.logits, atol=1e-5, rtol=1e-5)
+    assert graph.processed_shares == pytest.approx(eager.processed_shares)
