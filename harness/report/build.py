@@ -180,7 +180,7 @@ def _environment_lines(data: ReportData, study_path) -> list[str]:
         **{f"{name} (report)": v for name, v in _package_versions().items()},
         "dataset": data.study.base.train.dataset,
         "dataset sha256": tags.get("dataset_sha256", "n/a"),
-        "study file": _portable(str(study_path)),
+        "study file": _path_free(_portable(str(study_path))),  # no machine path, even for a file elsewhere
         "study file sha256": data.study.file_sha256,
         "Optuna storage": redact(_portable(data.storage)),
     }
