@@ -50,6 +50,16 @@ def test_report_end_to_end_has_every_section_and_plot(tmp_cwd):
     for csv in ("trials.csv", "arms.csv", "comparisons.csv", "curves.csv"):
         assert (out / csv).is_file()
     assert "nan" not in text.lower()
+    # A study without claims still opens with the first question answered (issue "As a user"): each
+    # routed arm − its dense on test causal bpb, with a CI, before any table.
+    opening = text.split("## ", 1)[0]
+    for arm in ("sigmoid", "norm"):
+        assert re.search(rf"\*\*{arm}[^*]*\*\* − dense[^:]*: Δ test causal bpb = [+−]\d\.\d{{3}}, 95 % CI \[", opening), arm
+    import json
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["versus_dense"]) == 2 and summary["provenance"]["study_file_sha256"]
+    assert summary["provenance"]["trials_git_sha"] and summary["provenance"]["packages_report"]["pandas"]
     assert "Holm" in text and "Hedges" in text
     # the summary's sentences come from the statistics: both routed arms are compared with dense
     assert text.count("than dense") >= 2

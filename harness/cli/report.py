@@ -15,7 +15,7 @@ def run(args) -> int:
     from modbench.report.build import build_report
     from modbench.track.checkpoint import check_writable
     from modbench.track.optuna_store import existing_storage
-    from modbench.track.store import check_sqlite_store
+    from modbench.track.store import check_sqlite_store, connect
 
     if args.quiet or args.json:  # MLflow's own bars while fetching checkpoints, too
         os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
@@ -28,6 +28,7 @@ def run(args) -> int:
     study = load_study(args.study_file)
     storage = existing_storage(study, args.out_dir, storage)
     check_sqlite_store(uri, must_exist=True)  # the study ran: its runs must be in this store
+    connect(uri)  # a server or database that does not answer: one line in seconds, not MLflow's minutes of retries
     check_writable(Path(args.reports_dir) / study.name, "--reports-dir")
     flags = dict(tracking_uri=uri, storage=storage_of(args), out_dir=args.out_dir, travels=True)
     reproduce = "\n".join([study_command(["study", "run", args.study_file], **flags),

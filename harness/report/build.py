@@ -101,7 +101,7 @@ def _write_tables(s: Sections, dest: Path) -> None:
         c.effects.to_csv(dest / "effects.csv", index=False)
     if c.isoflop is not None and len(c.isoflop.dense_fit):
         c.isoflop.fits.to_csv(dest / "isoflop_fits.csv", index=False)
-    (dest / "summary.json").write_text(json.dumps(_plain(summary_json(c, s.data.study.name)), indent=2, allow_nan=False))
+    (dest / "summary.json").write_text(json.dumps(_plain(summary_json(c, s.data)), indent=2, allow_nan=False))
 
 
 def _plain(x):

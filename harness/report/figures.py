@@ -1,7 +1,7 @@
 """Every figure of a report, in one style: PNG at 200 dpi and the same figure as PDF.
 
-- One colour per *variant* in every figure (``dense`` black, the random controls in greys),
-  one marker per *capacity*, so a reader learns the legend once.
+- One colour per *variant* in every figure (``dense`` black, the random controls in greys; the
+  arms of one variant shades of it), one marker per *capacity*, so a reader learns the legend once.
 - Small multiples of learning curves: one panel per variant, the claim's dense reference
   (the arm the claim compares against, not any dense arm) dashed in each.
 - A forest plot of effects: per claim family a block, each comparison's estimate, its CI and
@@ -191,6 +191,11 @@ def small_multiples(curves: pd.DataFrame, png: Path, *, x: str = "flops", y: str
     fig = Figure(figsize=(5.2 * cols, (3.4 + 0.17 * most) * rows), layout="constrained")
     ref = curves[curves["arm"] == reference].groupby("step")[[x, y]].mean()
     axes = [fig.add_subplot(rows, cols, i + 1) for i in range(len(variants))]
+    # One y-range for every panel, from every arm's mean curve: panels (and the FLOPs and tokens
+    # figures, drawn from the same curves) compare at a glance.
+    means = curves.groupby(["arm", "step"])[y].mean()
+    pad = 0.04 * float(means.max() - means.min() or 1.0)
+    ylim = (float(means.min()) - pad, float(means.max()) + pad)
     for ax, variant in zip(axes, variants):
         if len(ref):
             ax.plot(ref[x], ref[y], color="black", ls="--", lw=1.2, label=reference_label or f"reference: {reference}")
@@ -201,6 +206,7 @@ def small_multiples(curves: pd.DataFrame, png: Path, *, x: str = "flops", y: str
                     marker=markers[float(g["capacity"].iloc[0])], ms=3.5, lw=1.4,
                     ls=("-", ":", "-.", (0, (5, 1)))[i % 4], label=arm)
         ax.set_title(variant, fontsize=10)
+        ax.set_ylim(*ylim)
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(alpha=0.3)
@@ -278,11 +284,14 @@ def validation_curves(curves: pd.DataFrame, png: Path) -> Path:
     """Mean validation bpb per arm over training FLOPs, with a 95 % t-interval band across seeds."""
     fig = Figure(figsize=(8, 5))
     ax = fig.add_subplot()
-    palette = _learned_palette()  # one colour per arm here (an overview of every arm); dense arms dashed
-    for i, (arm, g) in enumerate(curves.groupby("arm")):
+    # The variant's colour as in every other figure, each arm of a variant its own shade; dense dashed.
+    colors = variant_colors(list(curves["variant"].unique()))
+    rank = {arm: (i, n) for _, v in curves.groupby("variant") for n in [v["arm"].nunique()]
+            for i, arm in enumerate(sorted(v["arm"].unique()))}
+    for arm, g in curves.groupby("arm"):
         agg = g.groupby("step").agg(flops=("flops", "mean"), mean=("val/bpb", "mean"), std=("val/bpb", "std"),
                                     n=("val/bpb", "size"))
-        color = palette[i % len(palette)]
+        color = _shade(colors[g["variant"].iloc[0]], *rank[arm])
         ax.plot(agg.flops, agg["mean"], label=arm, color=color, lw=1.5, ls="--" if g["variant"].iloc[0] == DENSE else "-")
         ok = agg.n > 1
         if ok.any():

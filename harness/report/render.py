@@ -71,14 +71,15 @@ def claims_lines(c: ClaimsData, data, dest: Path) -> list[str]:
     costs, the positive control, degenerate arms, the study's compute; then claims, tuning, arms,
     baselines, effects, top-k beside causal, decode cost, the causal rule, the dense profile and curves."""
     claims, effects = c.claims, c.effects
-    lines = regime_lines(c.arms, c.baselines) + protocol_lines(data.study, data.done)
+    lines = (regime_lines(c.arms, c.baselines) + versus_dense_lines(c.versus_dense, c.flagged)
+             + protocol_lines(data.study, data.done))
     lines += [f"- {claim_sentence(cl, effects)}" for cl in claims] + ([""] if claims else [])
     lines += decision_lines(c.decision, bool(claims))
     lines += tie_lines(c.ties)
     lines += preregistration_lines(c.registration) if claims else []
     lines += arm_cost_lines(c.arms, c.costs, c.flagged)
     control = claims_module.positive_control_line(claims)
-    lines += ([control, ""] if control else []) + degenerate_lines(c.flagged) + [compute_line(c.compute), ""]
+    lines += ([control, ""] if control else []) + degenerate_lines(c.flagged, bool(claims)) + [compute_line(c.compute), ""]
     if claims:
         lines += ["## Claims", "", _claim_table(claims), ""]
     lines += tuning_lines(c.tuning)
@@ -110,6 +111,23 @@ def regime_lines(arms: pd.DataFrame, base: dict[str, Baselines]) -> list[str]:
                 f"not beat a {name} ({bar:.3f} bpb): {listed}.", ""]
     return [f"Every arm beats the {name} ({bar:.3f} bpb; best arm {arms['causal_bpb'].min():.3f}), so the models "
             "have learned more than short byte statistics.", ""]
+
+
+def versus_dense_lines(eff: pd.DataFrame, flagged: dict[str, str]) -> list[str]:
+    """A study without claims: one line per routed arm, arm − its group's dense on test causal bpb
+    (an arm whose router collapsed or saturated, ``flagged``, says so)."""
+    if eff.empty:
+        return []
+    out = []
+    for r in eff.itertuples():
+        p = r.p_adj if r.p_adj is not None and r.p_adj == r.p_adj else None
+        test = ("not testable with these seeds" if p is None else
+                f"Holm p = {p:.2g}: " + ("no difference detected" if p >= ALPHA else "better" if r.estimate < 0 else "worse"))
+        out.append(f"- **{r.arm}** − {r.reference}: Δ test causal bpb = {_signed(r.estimate)}, 95 % CI "
+                   f"{_ci(r.ci_low, r.ci_high)}, {min(r.n_arm, r.n_ref)} seeds ({r.method}; {test})"
+                   + (f"; **degenerate**: {flagged[r.arm]}" if r.arm in flagged else ""))
+    return ["Each routed arm against the dense model of its group (same depth, budget and learning rate), on the "
+            "deployable metric (test causal bpb; negative: the routed arm is better):", "", *out, ""]
 
 
 def protocol_lines(study, done: pd.DataFrame) -> list[str]:
@@ -198,11 +216,12 @@ def preregistration_lines(registration: dict) -> list[str]:
     return [line + f"; **amended after that** (`--amend-claims`): {listed}.", ""]
 
 
-def degenerate_lines(flagged: dict[str, str]) -> list[str]:
+def degenerate_lines(flagged: dict[str, str], claims_declared: bool = True) -> list[str]:
     if not flagged:
         return []
     listed = "; ".join(f"{arm} ({reason})" for arm, reason in flagged.items())
-    return [f"**Degenerate arms, excluded from every claim family:** {listed}.", ""]
+    what = "excluded from every claim family" if claims_declared else "their router collapsed or saturated"
+    return [f"**Degenerate arms, {what}:** {listed}.", ""]
 
 
 def _duration(seconds: float | None) -> str:
@@ -248,15 +267,14 @@ def arm_cost_lines(arms: pd.DataFrame, costs: pd.DataFrame, flagged: dict[str, s
     if costs.empty:
         return []
     t = arms.merge(costs, on="arm")
+    # Only what the arms table below does not show: the score and the FLOPs are there, once.
     show = pd.DataFrame({
-        "arm": [f"{a} (degenerate: in no claim)" if a in flagged else a for a in t["arm"]], "test causal bpb": t["causal_bpb"],
-        "95% CI": _arm_ci(t),
-        "non-embedding params": t["params"].astype(int), "train FLOPs/token": t["flops_per_token"],
-        "decode FLOPs/token": t["decode_flops_per_token"], "KV bytes/token": t["kv_bytes_per_token"].round(1),
+        "arm": [f"{a} (degenerate: in no claim)" if a in flagged else a for a in t["arm"]],
+        "non-embedding params": t["params"].astype(int), "KV bytes/token": t["kv_bytes_per_token"].round(1),
         "decode share": t["decode_share"], f"KV-cached tokens/s ({THREADS} CPU thread)": t["decode_tokens_per_s"].round(0)})
     seeds = sorted(set(costs["seed"]))
-    return [f"Per compared arm: its score, and what it costs to train and to run. Decode FLOPs/token: the forward "
-            "cost at the arm's realised causal share (analytic). Measured on each arm's checkpoint of seed "
+    return [f"What each compared arm costs to run (its score and FLOPs per token are in the arms table). Measured on "
+            "each arm's checkpoint of seed "
             f"{', '.join(map(str, seeds))}, decoding {BATCH} test prompts (the windows' first halves) greedily "
             "to the full context with the KV cache and the causal rule: KV bytes/token counts the valid cache slots "
             "(what a skipped token or a shared K/V saves); decode share is the share of routed-layer token "

@@ -45,7 +45,7 @@ from modbench.report.measure import Measurements
 from modbench.report.stats import compare_to_baseline, holm, pareto_front, summarize
 from modbench.report.stats_text import describe_comparison
 
-SUMMARY_VERSION = 4  # 3: decode_costs; 4: searches, like_for_like, claims' search
+SUMMARY_VERSION = 4  # 3: decode_costs; 4: provenance, searches, like_for_like, decision, versus_dense
 ALPHA = 0.05
 TOPK = "test/bpb"  # the training-time (top-k) rule on the same test windows
 LEARNED_VS_RANDOM = "C2"
@@ -98,6 +98,7 @@ class ClaimsData:
     isoflop: IsoflopData | None
     curves_reference: str | None
     decision: dict = field(default_factory=dict)  # which claims the study decided, and what deciding the rest would take
+    versus_dense: pd.DataFrame = field(default_factory=pd.DataFrame)  # a study without claims: each routed arm − its dense
     like_for_like: pd.DataFrame = field(default_factory=pd.DataFrame)  # what each primary contrast holds equal
     searches: dict = field(default_factory=dict)  # search group -> {"sizes", "lr_runs", "families"}
 
@@ -374,7 +375,8 @@ def claims_data(data: ReportData, measured: Measurements, tuning: pd.DataFrame) 
         topk_c2=topk_beside_causal(compared, effects), cost_pairs=cost_pairs(arms, effects),
         isoflop=isoflop_data(data, effects), curves_reference=c1_reference(effects, done),
         like_for_like=like_for_like(data, compared, effects, claims), searches=searches,
-        decision=decision_summary(claims, effects, arms))
+        decision=decision_summary(claims, effects, arms),
+        versus_dense=pd.DataFrame() if data.study.settings.claims else versus_dense(compared))
 
 
 def preregistration(attrs: dict) -> dict:
@@ -386,11 +388,37 @@ def preregistration(attrs: dict) -> dict:
     return {**record, "amendments": attrs.get("preregistration_amendments", [])}
 
 
-def summary_json(c: ClaimsData, study_name: str) -> dict:
+def provenance(data: ReportData) -> dict:
+    """Where the numbers come from (lm-evaluation-harness's results carry the same): the commits the
+    trials ran from, the study file's hash and text, the dataset and its hash, the trials' torch and
+    python, and the versions of the packages that computed the report."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    shas = sorted({s for s in data.done.get("git_sha", pd.Series(dtype=object)).dropna().astype(str)}) \
+        or ([data.tags["git_sha"]] if data.tags.get("git_sha") else [])
+    return {"trials_git_sha": shas, "study_file_sha256": data.study.file_sha256,
+            "dataset": data.study.base.train.dataset, "dataset_sha256": data.tags.get("dataset_sha256"),
+            "device": data.tags.get("device"), "torch_trials": data.tags.get("torch_version"),
+            "python_trials": data.tags.get("python_version"),
+            "packages_report": {n: installed(n) for n in PROVENANCE_PACKAGES}}
+
+
+PROVENANCE_PACKAGES = ("modbench", "torch", "numpy", "scipy", "pandas", "statsmodels", "matplotlib", "mlflow", "optuna")
+
+
+def summary_json(c: ClaimsData, data: ReportData) -> dict:
     """summary.json: the claims with the commit their settings were fixed at, the arms, baselines,
-    compute, isoFLOP reference, tuning and decode costs."""
+    compute, isoFLOP reference, tuning, decode costs, and the provenance of it all."""
     iso = c.isoflop.record if c.isoflop else {}
+    study_name = data.study.name
     return {"version": SUMMARY_VERSION, "study": study_name, "headline_metric": HEADLINE,
+            "provenance": provenance(data),
             "claims": [{**cl.to_dict(), "fixed_at_commit": c.registration.get("commit")} for cl in c.claims],
             "preregistration": c.registration, "ties": c.ties,
             "arms": c.arms.drop(columns=["variant"]).to_dict(orient="records"),
@@ -398,7 +426,19 @@ def summary_json(c: ClaimsData, study_name: str) -> dict:
             "reference": iso.get("reference"), "isoflop": iso,
             "tuning": c.tuning.to_dict(orient="records"), "decode_costs": c.costs.to_dict(orient="records"),
             "searches": c.searches, "like_for_like": c.like_for_like.to_dict(orient="records"),
-            "decision": c.decision}
+            "decision": c.decision, "versus_dense": c.versus_dense.to_dict(orient="records")}
+
+
+def versus_dense(done: pd.DataFrame) -> pd.DataFrame:
+    """A study that declares no claims still answers the first question: each routed arm against
+    the dense arm of its group (same depth, budget and LR multiplier), on test causal bpb, paired by
+    seed, with a 95 % CI and Holm across the arms. Empty when a group has no dense arm."""
+    pairs = []
+    for _, g in done.groupby("group"):
+        dense = g[g["variant"] == DENSE]["arm"].unique()
+        if len(dense):
+            pairs += [(a, str(dense[0])) for a in g[g["variant"] != DENSE]["arm"].unique()]
+    return compare_effects(done, HEADLINE, pairs) if pairs and HEADLINE in done else pd.DataFrame()
 
 
 DECIDED = ("better", "worse", "equivalent")
