@@ -280,6 +280,13 @@ def test_one_plain_sentence_per_claim_names_both_arms_and_the_margin():
     tie = C("C1", "equivalent within ±0.05 bpb", -0.01, -0.04, 0.02, 8, "equivalent", 0.05)
     assert claim_sentence(tie, effects) == ("**C1**: sigmoid lr×2 ties dense lr×2 L3 within ±0.05 bpb on test causal bpb "
                                             "(Δ = \u22120.010 bpb, 95 % CI [\u22120.040, +0.020], 8 seeds).")
+    # the verdict sentence carries the decode cost of the pair (issue "Best against best", item 6)
+    costs = pd.DataFrame([{"arm": "sigmoid lr×2", "reference": "dense lr×2 L3", "decode cost ratio": 1.25,
+                           "decode FLOPs/token (arm)": 9.9e5, "decode FLOPs/token (reference)": 7.9e5,
+                           "train FLOPs/token ratio": 1.29}])
+    assert claim_sentence(tie, effects, costs).endswith(
+        "8 seeds). It decodes at 1.25× the reference's FLOPs per token (9.9e+05 vs 7.9e+05) and trains at 1.29× its "
+        "FLOPs per token.")
     worse = C("C4b", "reversed", 0.2, 0.1, 0.3, 3, "worse")
     assert claim_sentence(worse, effects).startswith("**C4b**: pmod is worse than sigmoid")  # C4b: the family's 2nd row
     before = C("C3a", "supported: the causal rule agrees with top-k above chance", 0.15, 0.12, 0.19, 3)

@@ -73,7 +73,7 @@ def claims_lines(c: ClaimsData, data, dest: Path) -> list[str]:
     claims, effects = c.claims, c.effects
     lines = (regime_lines(c.arms, c.baselines) + versus_dense_lines(c.versus_dense, c.flagged)
              + protocol_lines(data.study, data.done))
-    lines += [f"- {claim_sentence(cl, effects)}" for cl in claims] + ([""] if claims else [])
+    lines += [f"- {claim_sentence(cl, effects, c.cost_pairs)}" for cl in claims] + ([""] if claims else [])
     lines += decision_lines(c.decision, bool(claims))
     lines += tie_lines(c.ties)
     lines += preregistration_lines(c.registration) if claims else []
@@ -142,8 +142,10 @@ def protocol_lines(study, done: pd.DataFrame) -> list[str]:
             "may be a learning-rate effect, and an arm may sit at the edge of its grid.", ""]
 
 
-def claim_sentence(claim, effects: pd.DataFrame) -> str:
-    """One plain sentence: who against whom, which way, by how much, how sure."""
+def claim_sentence(claim, effects: pd.DataFrame, costs: pd.DataFrame | None = None) -> str:
+    """One plain sentence: who against whom, which way, by how much, how sure; and, where the pair's
+    costs are known (``costs``: ``sections.cost_pairs``), what the arm costs to decode against its
+    reference, since a verdict on quality alone hides the trade MoD exists to make."""
     cls, margin = getattr(claim, "verdict_class", None), getattr(claim, "margin", None)
     rows = rows_of(effects, claim.id)
     if cls is None or rows.empty:  # no effect row (C3's within-run quantities), or no verdict class yet
@@ -162,7 +164,20 @@ def claim_sentence(claim, effects: pd.DataFrame) -> str:
                   f"neither a difference nor equivalence within ±{margin:g} bpb is shown" if margin
                   else "no difference is shown (and no equivalence margin was declared)")}.get(cls, claim.verdict)
     caveat = f" **Note: {claim.caveat}.**" if getattr(claim, "caveat", "") and claim.caveat not in phrase else ""
-    return f"**{claim.id}**: {phrase} ({numbers}).{caveat}"
+    return f"**{claim.id}**: {phrase} ({numbers}).{_decode_cost(costs, arm, ref)}{caveat}"
+
+
+def _decode_cost(costs: pd.DataFrame | None, arm: str, ref: str) -> str:
+    """" It decodes at r× the reference's FLOPs per token (… vs …)." for a pair with known costs."""
+    if costs is None or costs.empty:
+        return ""
+    row = costs[(costs["arm"] == arm) & (costs["reference"] == ref)]
+    if row.empty:
+        return ""
+    r = row.iloc[0]
+    return (f" It decodes at {r['decode cost ratio']:.2f}× the reference's FLOPs per token "
+            f"({r['decode FLOPs/token (arm)']:.3g} vs {r['decode FLOPs/token (reference)']:.3g}) and trains at "
+            f"{r['train FLOPs/token ratio']:.2f}× its FLOPs per token.")
 
 
 def decision_lines(d: dict, claims_declared: bool) -> list[str]:
