@@ -617,3 +617,29 @@ def test_a_tuning_choice_won_by_less_than_the_seed_noise_is_reported_as_such(tmp
     text = " ".join(tuning_lines(table.reset_index()))
     assert "Chosen within the seed noise: dense (won by 0.010, seed SD 0.100)" in text
     assert "sigmoid C=0.25 alternate (won by" not in text
+
+
+def test_a_routed_size_sweep_confirms_its_best_size_only_as_the_dense_one_does(tmp_path):
+    """paper_claims (1.5e13) swept three sigmoid sizes beside three dense sizes, and the protocol
+    confirmed every sigmoid size but only the best dense one: the MoD side would then pick its size
+    on the confirmation seeds and the dense side on the tuning seed alone (issue "Best against best":
+    the same search, chosen by the same rule). Each size sweep now confirms its best size on the
+    tuning seed; its random control follows that size."""
+    extra = '\n[[space.also]]\nvariant = ["sigmoid"]\ndepth = [3, 4]\n'
+    study = sizes_study(tmp_path, extra)
+    points: list[TrialPoint] = []
+    history: list[str] = []
+    confirm = ()
+    for _ in range(12):
+        step = tuning.plan(study, points, history)
+        if step.stage == tuning.COMPLETE:
+            break
+        history.append(step.stage)
+        if step.stage == tuning.CONFIRM:
+            confirm = step.queue
+        points = finish(points, step.queue, step.stage)
+    routed = {(a.variant, a.depth) for a, _ in confirm if a.variant != "dense"}
+    assert routed == {("sigmoid", 3), ("random_gated", 3)}  # loss_of's size optimum is depth 3
+    assert {a.depth for a, _ in confirm if a.variant == "dense"} == {3}
+    dec = tuning.decisions(study, points)
+    assert {f.depth for f in dec if f.variant == "sigmoid"} == {2, 3, 4}  # every size was tuned

@@ -225,10 +225,12 @@ def preregistration_lines(registration: dict) -> list[str]:
     line = (f"Margins and primary contrasts were pre-registered at commit `{registration['commit'][:12]}` "
             f"({registration['at']}), before the first confirmation trial")
     amended = registration["amendments"]
+    protocol = [f"**The protocol was amended during the study** at `{a['commit'][:12]}` ({a['at']}): {a['what']}."
+                for a in registration.get("protocol_amendments", [])]
     if not amended:
-        return [line + ", and have not changed since.", ""]
+        return [line + ", and have not changed since.", "", *(protocol and [*protocol, ""])]
     listed = "; ".join(f"{', '.join(a['changed'])} at `{a['commit'][:12]}` ({a['at']})" for a in amended)
-    return [line + f"; **amended after that** (`--amend-claims`): {listed}.", ""]
+    return [line + f"; **amended after that** (`--amend-claims`): {listed}.", "", *(protocol and [*protocol, ""])]
 
 
 def degenerate_lines(flagged: dict[str, str], claims_declared: bool = True) -> list[str]:

@@ -385,7 +385,8 @@ def preregistration(attrs: dict) -> dict:
     record = attrs.get("preregistered")
     if not record:
         return {}
-    return {**record, "amendments": attrs.get("preregistration_amendments", [])}
+    return {**record, "amendments": attrs.get("preregistration_amendments", []),
+            "protocol_amendments": attrs.get("protocol_amendments", [])}
 
 
 def provenance(data: ReportData) -> dict:

@@ -201,23 +201,52 @@ def best_dense(study: StudySpec, dec: dict[Arm, Decision], points: list[TrialPoi
     return min(scored, key=lambda x: x[0])[1] if scored else None
 
 
+def best_sizes(study: StudySpec, dec: dict[Arm, Decision], points: list[TrialPoint]) -> set[Arm]:
+    """Of each learned variant's size sweep (the same arm at other depths and widths), the size
+    whose best value on the tuning seed is lowest: the one size of that family the confirmation
+    seeds run, chosen by the rule that chooses the best dense size (``best_dense``). Confirming
+    every routed size and picking among them afterwards would choose MoD's size on the
+    confirmation seeds and dense's on the tuning seed alone: not the same search."""
+    best: dict[Arm, tuple[float, Arm]] = {}
+    for f, d in dec.items():
+        if not _learned(f) or d.best is None:
+            continue
+        values, _ = _tuning_values(points, f, study.tune.seed)
+        if values.get(d.best) is None:
+            continue
+        key = replace(f, depth=0, width=0)  # the family without its size
+        if key not in best or values[d.best] < best[key][0]:
+            best[key] = (values[d.best], f)
+    return {f for _, f in best.values()}
+
+
 def best_arms(study: StudySpec, points: list[TrialPoint]) -> dict[Arm, Arm]:
-    """Family → the arm the confirmation seeds run: tuned families at their best value, random
-    controls at their leader's, the positive control at the best dense model's. Families with no
-    best value (every trial failed) are left out."""
+    """Family → the arm the confirmation seeds run: tuned families at their best value (of a size
+    sweep, dense or routed, the best size only), random controls at their leader's, the positive
+    control at the best dense model's. Families with no best value (every trial failed) are left out."""
     dec = decisions(study, points)
     out: dict[Arm, Arm] = {}
     budgets = {f.budget for f in dec if _learned(f)} | {study.base.train.budget}
     dense_best = {b: best_dense(study, dec, points, b) for b in budgets}
+    routed_best = best_sizes(study, dec, points)
     for f, d in dec.items():
-        if d.best is None or (_plain_dense(f) and f not in dense_best.values()):
+        if d.best is None or (_plain_dense(f) and f not in dense_best.values()) or (_learned(f) and f not in routed_best):
             continue
         out[f] = replace(f, lr_mult=d.best)
     declared = declared_families(study)
     for f in declared:
         leader = leader_of(f, declared)
-        if leader is not None and leader in out:
+        if leader is None:
+            continue
+        if leader in out:
             out[f] = replace(f, lr_mult=out[leader].lr_mult)
+            continue
+        # The leader is a size its sweep did not confirm: the control follows the confirmed size
+        # (same gate and scope at the size the claim compares), at that size's value.
+        size = next((a for a in routed_best if replace(a, depth=0, width=0) == replace(leader, depth=0, width=0)), None)
+        if size is not None and size in out:
+            moved = replace(f, depth=size.depth, width=size.width)
+            out[moved] = replace(moved, lr_mult=out[size].lr_mult)
     settings = study.claim_settings.get("mod_vs_best_dense")
     reference = dense_best.get(study.base.train.budget)
     if settings and settings.positive_control and reference is not None and reference in out:
