@@ -225,3 +225,18 @@ def test_a_study_that_decides_nothing_says_why_and_what_would_and_names_a_random
     assert "random control, **random_gated C=0.125**" in text
     decided = [Claim("C1", "s", "v", -0.1, -0.2, -0.05, 8, verdict_class="better")]
     assert decision_lines(decision_summary(decided, effects, arms.iloc[::-1].assign(causal_bpb=[2.5, 2.6])), True) == []
+
+
+def test_the_regime_line_says_when_only_arms_outside_the_claims_fall_short():
+    """paper_claims (1.5e13): the compared arms beat the 4-gram while a size at the edge of a sweep
+    did not; the report must not call the claims' regime under-trained."""
+    from modbench.report.baselines import Baselines
+    from modbench.report.render import regime_lines
+
+    base = Baselines(**{**{f: 0.0 for f in Baselines.__dataclass_fields__}, "split": "test", "n_bytes": 65536,
+                        "window_fourgram": 2.22, "window_bytes": 65536})
+    arms = pd.DataFrame({"arm": ["mod", "dense L3", "dense L4"], "variant": ["sigmoid", "dense", "dense"],
+                         "causal_bpb": [1.99, 2.07, 2.23]})
+    line = regime_lines(arms, {"test": base}, {"mod", "dense L3"})[0]
+    assert line.startswith("Every arm the claims compare beats") and "dense L4 (2.23)" in line and "Under-trained" not in line
+    assert regime_lines(arms, {"test": base})[0].startswith("> **Under-trained")  # no claims: every arm counts

@@ -71,7 +71,8 @@ def claims_lines(c: ClaimsData, data, dest: Path) -> list[str]:
     costs, the positive control, degenerate arms, the study's compute; then claims, tuning, arms,
     baselines, effects, top-k beside causal, decode cost, the causal rule, the dense profile and curves."""
     claims, effects = c.claims, c.effects
-    lines = (regime_lines(c.arms, c.baselines) + versus_dense_lines(c.versus_dense, c.flagged)
+    compared = set(c.compared["arm"]) if len(c.compared) and claims else set()
+    lines = (regime_lines(c.arms, c.baselines, compared) + versus_dense_lines(c.versus_dense, c.flagged)
              + protocol_lines(data.study, data.done))
     lines += [f"- {claim_sentence(cl, effects, c.cost_pairs)}" for cl in claims] + ([""] if claims else [])
     lines += decision_lines(c.decision, bool(claims))
@@ -90,11 +91,18 @@ def claims_lines(c: ClaimsData, data, dest: Path) -> list[str]:
     return lines + curve_lines(data.curves, dest, c.curves_reference)
 
 
-def regime_lines(arms: pd.DataFrame, base: dict[str, Baselines]) -> list[str]:
-    """The first lines of the report: do the models beat counting? If not, say so plainly."""
+def regime_lines(arms: pd.DataFrame, base: dict[str, Baselines], compared: set[str] | None = None) -> list[str]:
+    """The first lines of the report: do the models beat counting? If not, say so plainly. When
+    every arm the claims compare beats it and only others (sizes or learning rates tuning tried) do
+    not, the claims stand in a learned regime and the line says that."""
     bar, name = count_bar(base["test"])
     worse = arms[~(arms["causal_bpb"] < bar)]
     listed = ", ".join(f"{r.arm} ({_fmt(r.causal_bpb)})" for r in worse.itertuples())
+    beaten = arms[arms["arm"].isin(compared or set())]
+    if compared and len(worse) and len(beaten) and (beaten["causal_bpb"] < bar).all():
+        return [f"Every arm the claims compare beats the {name} ({bar:.3f} bpb; the worst of them reaches "
+                f"{beaten['causal_bpb'].max():.3f}), so they have learned more than short byte statistics. "
+                f"{len(worse)} of {len(arms)} arms, all outside the claims, do not: {listed}.", ""]
     routed = arms[arms["variant"] != DENSE]
     if len(worse) == len(arms):
         return [f"> **Under-trained regime: routing conclusions are unreliable.** No arm beats a {name} "
@@ -175,6 +183,8 @@ def _decode_cost(costs: pd.DataFrame | None, arm: str, ref: str) -> str:
     if row.empty:
         return ""
     r = row.iloc[0]
+    if r["decode cost ratio"] == 1 and r["train FLOPs/token ratio"] == 1:
+        return ""  # the same model (a positive control): nothing to trade
     return (f" It decodes at {r['decode cost ratio']:.2f}× the reference's FLOPs per token "
             f"({r['decode FLOPs/token (arm)']:.3g} vs {r['decode FLOPs/token (reference)']:.3g}) and trains at "
             f"{r['train FLOPs/token ratio']:.2f}× its FLOPs per token.")
