@@ -127,8 +127,18 @@ def _count_lines(study: StudySpec, data: ReportData) -> list[str]:
         planned = f"{(len(study_arms(study)) if study.settings.sampler == 'grid' else study.settings.n_trials) * len(study.settings.seeds)} planned"
     return [f"Trials: {counts.get('COMPLETE', 0)} complete of {planned}"
             + "".join(f", {n} {s.lower()}" for s, n in sorted(counts.items()) if s != "COMPLETE")
-            + f"; seeds per arm: {len(study.settings.seeds)}; dataset `{study.base.train.dataset}`; "
+            + f"; {_seed_text(study)}; dataset `{study.base.train.dataset}`; "
             f"every arm trains for the same budget `{study.base.train.budget}`" + (" (per group)" if "budget" in study.space and len(study.space["budget"]) > 1 else "") + ".", ""]
+
+
+def _seed_text(study: StudySpec) -> str:
+    """Which seeds ran what: a tuned study tunes on one seed and confirms on the others."""
+    seeds = study.settings.seeds
+    if not study.tune.lr_mult:
+        return f"seeds per arm: {len(seeds)}"
+    confirm = [s for s in seeds if s != study.tune.seed]
+    return (f"seed {study.tune.seed} tunes every family, {len(confirm)} confirmation seed{'s' * (len(confirm) != 1)} "
+            f"({', '.join(map(str, confirm))}) run the compared arms")
 
 
 def _finish(lines: list[str], data: ReportData, dest: Path, study_path, command: str | None) -> Path:
