@@ -50,7 +50,7 @@ from torch import Tensor
 
 from modbench.errors import ModbenchError, accepted
 from modbench.model.gpt import GPT, Attention, AttentionSummary, RoutedBlock, attention_summary
-from modbench.model.static_decode import MODES, StaticDecoder, static_refusal
+from modbench.model.static_decode import MODES, RoutingTally, StaticDecoder, static_refusal
 
 DECODE_MODES = MODES  # ("causal", "dense"): top-k cannot decode, it needs the future
 # generate's decoders (module doc): step name → the ``StaticDecoder`` runner (None: the dynamic ``Decoder``)
@@ -196,7 +196,7 @@ def _visible(count: Tensor, length: int) -> Tensor:
 
 
 # --- the decoder --------------------------------------------------------------------------
-class Decoder:
+class Decoder(RoutingTally):
     """Feeds tokens through ``model`` with per-layer KV caches, routing causally.
 
     ``decoder(idx)`` takes the next (B, n) tokens of every sequence (the prompt first, then
@@ -248,17 +248,6 @@ class Decoder:
         """``kv_bytes`` per token fed so far, per sequence: the cache a context of this length costs."""
         return self.kv_bytes / max(self.pos * self.batch, 1)
 
-    @property
-    def skipped_fraction(self) -> float:
-        """Fraction of routed-layer token computations skipped so far (mlp_skip: MLPs)."""
-        if not self.routed_total or not self.processed.numel():
-            return 0.0
-        return 1.0 - sum(self.processed_counts) / (self.routed_total * self.processed.numel())
-
-    @property
-    def processed_shares(self) -> list[float]:
-        """Per routed layer, in order: the share of its token computations done so far."""
-        return [c / max(self.routed_total, 1) for c in self.processed_counts]
 
     @property
     def processed_counts(self) -> list[int]:

@@ -184,7 +184,24 @@ def static_refusal(model: GPT) -> str | None:
 
 
 # --- the decoder --------------------------------------------------------------------------------
-class StaticDecoder:
+class RoutingTally:
+    """The shares a decoder reports from its ``processed_counts``, ``routed_total`` and ``processed``
+    (one entry per routed layer): written once for the dynamic ``Decoder`` and the ``StaticDecoder``."""
+
+    @property
+    def processed_shares(self) -> list[float]:
+        """Per routed layer, in order: the share of its token computations done so far."""
+        return [c / max(self.routed_total, 1) for c in self.processed_counts]
+
+    @property
+    def skipped_fraction(self) -> float:
+        """Fraction of routed-layer token computations skipped so far (mlp_skip: MLPs)."""
+        if not self.routed_total or not self.processed.numel():
+            return 0.0
+        return 1.0 - sum(self.processed_counts) / (self.routed_total * self.processed.numel())
+
+
+class StaticDecoder(RoutingTally):
     """Feeds tokens through ``model`` with static KV caches: ``decoder(idx)`` takes the next (B, n)
     tokens of every sequence and returns their logits (B, n, V), as ``modbench.model.decode.Decoder``
     (mode "causal" routes by the causal rule; "dense" runs every routed layer as a plain block).
@@ -250,15 +267,6 @@ class StaticDecoder:
     def processed_counts(self) -> list[int]:
         return [int(c) for c in self.processed.tolist()] if self.routed else [0] * self.processed.numel()
 
-    @property
-    def processed_shares(self) -> list[float]:
-        return [c / max(self.routed_total, 1) for c in self.processed_counts]
-
-    @property
-    def skipped_fraction(self) -> float:
-        if not self.routed_total or not self.processed.numel():
-            return 0.0
-        return 1.0 - sum(self.processed_counts) / (self.routed_total * self.processed.numel())
 
     @property
     def kv_bytes(self) -> int:
