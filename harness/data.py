@@ -150,7 +150,17 @@ def check_dataset(name: str) -> Path | None:
         raise ModbenchError(f"dataset path {path} is not a regular file: expected a path to a file")
     if path.stat().st_size == 0:
         raise ModbenchError(f"dataset file {path} is empty: expected a non-empty file")
+    try:  # stat() succeeds on a file we may not read; opening it is the only check that tells
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise _unreadable(path, e) from None
     return path
+
+
+def _unreadable(path: Path, exc: OSError) -> ModbenchError:
+    return ModbenchError(f"dataset file {path} cannot be read ({exc.strerror or _one_line(exc)}): give a file this user "
+                         f"may read (check its permissions), or one of {', '.join(map(repr, KNOWN_DATASETS))}")
 
 
 def load_corpus(name: str, *, root: Path | None = None, seed: int = 0,
@@ -172,7 +182,10 @@ def load_corpus(name: str, *, root: Path | None = None, seed: int = 0,
         path = _build_stdlib(base) if name == "stdlib" else _fetch(name, base)
         return _file_corpus(name, path, _sha256_cached(path))
     path = check_dataset(name).resolve()
-    return _file_corpus(str(path), path, _sha256_memo(path, tuple(_stat_key(path))))
+    try:  # it may have changed since the check (moved, permissions taken away, a disk error)
+        return _file_corpus(str(path), path, _sha256_memo(path, tuple(_stat_key(path))))
+    except OSError as e:
+        raise _unreadable(path, e) from None
 
 
 def _split_points(n: int) -> tuple[int, int]:

@@ -41,7 +41,7 @@ def test_every_registered_variant_declares_a_valid_policy(name, options):
         r = router.route(x, block.capacity.k(48))
     # The routing gives exactly what the policy declares it reads.
     assert (r.weight is None) == (mixing.weight == "none"), "a weight exactly when the policy weights"
-    assert (r.skip_scale is not None) == (mixing.skip == "scale")
+    assert (r.skip_scale is not None) == (mixing.skip != "keep")  # s of s·x ("scale") or of x + s·local(x) ("local")
     assert (r.base is not None) == mixing.handoff and (r.handoff is not None) == mixing.handoff
     assert (r.valid is not None) == router.variable_count
     with torch.no_grad():
@@ -156,6 +156,38 @@ def test_the_policys_formula_is_the_documented_one():
         "output": ("x + w·(x + Δ)", "x"), "handoff": ("b + w·(x + Δ)", "x"), "skip_scale": ("x + w·Δ", "s·x")}
 
 
+class LocalBlock(HandBlock):
+    """HandBlock with a hand-checkable token-local update: local(x) = 3x."""
+
+    def local_update(self, x: Tensor) -> Tensor:
+        return 3 * x
+
+
+class AttentionScope(HandRouter):
+    scope = "attention"
+
+
+@pytest.mark.parametrize("mode", ["topk", "causal"])
+def test_a_scope_attention_router_with_the_local_skip_gives_dtrnets_formula(mode):
+    """Scope "attention" (DTRNet): Δ is attention alone, then the MLP on every token; ``Mixing(skip="local")``:
+    a skipped token gets x + s·local(x). attn(x) = x, mlp(h) = 2h, local(x) = 3x: processed x + w·x, then
+    ·3; skipped x + s·3x, then ·3."""
+    mixing = Mixing(skip="local")
+    assert mixing.formula == ("x + w·Δ", "x + s·local(x)")
+    cfg = ModelConfig(depth=1, n_embd=D, head_dim=D, max_seq_len=16)
+    block = RoutedBlock(cfg, AttentionScope(mixing), CapacitySchedule(0.5, max_seq_len=16), LocalBlock(cfg))
+    m = GPT(cfg)
+    with torch.no_grad():
+        layer = block(X, m.rope_cos, m.rope_sin) if mode == "topk" else block.forward_causal(X, m.rope_cos, m.rope_sin)
+        skipped = block.skipped(X)
+    assert torch.equal(layer.processed, PROCESSED)
+    expected = torch.where(PROCESSED.unsqueeze(-1), 3 * (X + W * X), 3 * (X + S * 3 * X))
+    assert torch.equal(layer.x, expected), (layer.x, expected)
+    assert torch.equal(skipped[~PROCESSED], expected[~PROCESSED])  # what the decoders write for a skipped token
+    with pytest.raises(ValueError, match="skip='local' gives a skipped token attention with only itself"):
+        RoutedBlock(cfg, HandRouter(mixing), CapacitySchedule(0.5, max_seq_len=16), LocalBlock(cfg))
+
+
 @pytest.mark.parametrize("kind", ["plain", "weighted", "output", "handoff"])
 def test_an_unused_slot_adds_nothing_under_every_policy(kind):
     """A variable count: slot 1 (position 2) is unused, so its row is x bit for bit — not x + w·x under a
@@ -171,7 +203,7 @@ def test_an_unused_slot_adds_nothing_under_every_policy(kind):
 # --- a combination the block cannot apply is refused, with a clear error -----------------------------------
 @pytest.mark.parametrize("fields,message", [
     ({"weight": "attn"}, "mixing weight must be one of 'block', 'mlp', 'none', got 'attn'"),
-    ({"skip": "drop"}, "mixing skip must be one of 'keep', 'scale', got 'drop'"),
+    ({"skip": "drop"}, "mixing skip must be one of 'keep', 'scale', 'local', got 'drop'"),
     ({"output": 1}, "mixing output must be True or False"),
     ({"weight": "mlp", "output": True}, "output=True weights the block's output x \\+ Δ: it needs weight='block'"),
     ({"weight": "none", "output": True}, "it needs weight='block', got weight='none'"),

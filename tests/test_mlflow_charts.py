@@ -107,9 +107,15 @@ def test_chart_recipe_gives_one_causal_curve_per_arm_against_cum_flops(tmp_cwd):
     for r in shown:
         causal = {m.step: m.value for m in client.get_metric_history(r.info.run_id, "val/causal_bpb")}
         topk = {m.step: m.value for m in client.get_metric_history(r.info.run_id, "val/bpb")}
-        flops = {m.step for m in client.get_metric_history(r.info.run_id, "perf/cum_flops")}
+        axis = sorted(client.get_metric_history(r.info.run_id, "perf/cum_flops"), key=lambda m: m.step)
+        flops = {m.step for m in axis}
         assert sorted(causal) == [3, 6, 9]  # eval_every = 3: every evaluation, the final one included
         assert sorted(causal) == sorted(topk)
         assert set(causal) <= flops  # each point has its x value on the perf/cum_flops axis
+        # The x-axis itself: one point per step (log_every = eval_every = 3 share steps), rising, and
+        # ending at the FLOPs the trial spent (no stair-steps, no group that ends elsewhere).
+        assert len(axis) == len(flops)
+        assert all(a.value < b.value for a, b in zip(axis, axis[1:]))
+        assert axis[-1].value == r.data.metrics["perf/total_flops"]
         if r.data.tags["modbench.arm"] == "dense":
             assert causal == topk  # no routed layer: the causal rule is the model

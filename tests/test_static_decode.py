@@ -100,8 +100,8 @@ def test_static_generation_equals_the_causal_forward_and_the_dynamic_decoder(nam
 
 @pytest.mark.parametrize("name", [v for v in ROUTED if v in SYNC_FREE])
 def test_skipped_tokens_write_no_kv(name):
-    """At a routed layer of scope "block" the valid slots are exactly the tokens the causal pass
-    processed, and every other slot is untouched (still the fresh cache's zeros); scope "mlp" routes
+    """At a routed layer of scope "block" or "attention" the valid slots are exactly the tokens the causal
+    pass processed, and every other slot is untouched (still the fresh cache's zeros); scope "mlp" routes
     the MLP alone, so its attention caches every token."""
     m = model(name)
     idx = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(2))
@@ -113,13 +113,13 @@ def test_skipped_tokens_write_no_kv(name):
     routed = [c for layer, c in zip(m.layers, dec.caches) if isinstance(layer, RoutedBlock)]
     assert routed and all(isinstance(c, StaticLayerCache) for c in routed)
     for cache, decide in zip(routed, decisions(m, idx)):
-        expected = decide if m.routers[0].scope == "block" else torch.ones_like(decide)
+        expected = torch.ones_like(decide) if m.routers[0].scope == "mlp" else decide
         assert torch.equal(cache.valid[:, :20], expected)
         assert not cache.valid[:, 20:].any()
         invalid = ~cache.valid
         assert (cache.k.transpose(1, 2)[invalid] == 0).all() and (cache.v.transpose(1, 2)[invalid] == 0).all()
         assert (cache.k.transpose(1, 2)[cache.valid] != 0).any(-1).all()  # every processed token wrote a key
-    if m.routers[0].scope == "block":
+    if m.routers[0].scope != "mlp":
         assert 0 < sum(int(c.valid.sum()) for c in routed) < 3 * 20 * len(routed)  # some skipped, some not
 
 

@@ -5,9 +5,12 @@ Built in: the seed recipes ``norm``, ``linear_softmax``, ``sigmoid``, ``learned_
 and methods of the later literature: ``nested`` (hierarchical filtering without weight sharing), ``mor``
 (Mixture-of-Recursions' expert-choice router on a recursive model), ``mor_token_choice`` (its
 token-choice router: each token's recursion depth chosen up front), ``token_choice``,
-``threshold`` (Router-Tuning / MoDification), ``expert_threshold`` (Expert-Threshold routing), ``pmod`` (p-MoD's TanhNorm and STRing),
+``threshold`` (Router-Tuning / MoDification), ``expert_threshold`` (Expert-Threshold routing, the paper's
+rule), ``expert_threshold_released`` (the same method as its released code trains it: an expert-choice
+warm-up, a bias-corrected cutoff EMA), ``pmod`` (p-MoD's TanhNorm and STRing),
 ``mode_staged`` (MoD with a mixture-of-experts MLP), ``mode_integrated`` (a no-op expert among the
-experts), ``amod`` (A-MoD's attention routing). Every fixed-count routed variant also answers to
+experts), ``amod`` (A-MoD's attention routing), ``dtrnet`` (DTRNet: attention's token mixing routed, a
+token-local update and the MLP for every token). Every fixed-count routed variant also answers to
 "<name>+aux" (``decode_aliases``): the same training, decoded by Raposo et al. 2024 (arXiv:2404.02258)
 §3.5's auxiliary predictor. Add your own with ``@register_variant`` (docs/variants.md).
 """
@@ -31,8 +34,9 @@ from .registry import (
 )
 
 # Importing the modules registers the built-in variants.
-from . import (amod, controls, expert_threshold, learned_temperature, linear_softmax, mlp_skip, mode,  # noqa: E402,F401
-               mor, mor_token_choice, nested, norm, pmod, sigmoid, token_choice)
+from . import (amod, controls, dtrnet, expert_threshold, expert_threshold_released,  # noqa: E402,F401
+               learned_temperature, linear_softmax, mlp_skip, mode, mor, mor_token_choice, nested, norm, pmod, sigmoid,
+               token_choice)
 
 __all__ = [
     "AUX_SUFFIX",

@@ -19,11 +19,13 @@ from torch import Tensor, nn
 
 from .linear_router import AuxPredictor, LinearScorer  # linear_router imports nothing from here
 
-Scope = Literal["block", "mlp", "none"]
+# What a router gates: the whole block, the MLP alone (attention on every token first), or attention's token
+# mixing alone (the MLP on every token after; DTRNet); "none": nothing (dense).
+Scope = Literal["block", "mlp", "attention", "none"]
 WeightScope = Literal["block", "mlp", "none"]
-SkipRule = Literal["keep", "scale"]
+SkipRule = Literal["keep", "scale", "local"]
 WEIGHT_SCOPES = ("block", "mlp", "none")
-SKIP_RULES = ("keep", "scale")
+SKIP_RULES = ("keep", "scale", "local")
 
 # Where a part of a variant comes from (``Provenance``).
 ORIGINS = ("paper", "paper's recipe", "modbench's own")
@@ -109,7 +111,8 @@ class Mixing:
     (the top-k forward, the causal routing mode, KV-cached decoding). A new way of mixing is a new
     policy (or a new field here, with its case in ``RoutedBlock.mix``), not a branch in the forward.
 
-    With Δ what the routed layer computes (attention + MLP; the MLP alone for scope "mlp") and w the
+    With Δ what the routed layer computes (attention + MLP; the MLP alone for scope "mlp"; attention
+    alone for scope "attention", whose MLP then runs on every token's mixed stream) and w the
     router's weight (``mix_weight`` in top-k, ``causal_weight`` causally; a policy that expects one
     still adds unweighted where the router gives None):
 
@@ -124,7 +127,10 @@ class Mixing:
              returns them with the decision, and the next routed layer receives that handoff as
              ``previous``). Needs output.
     skip:    what a skipped token becomes. "keep": x, bit for bit; "scale": s·x, s from the router's
-             ``skip_scale_of`` (p-MoD's STRing). Not with a handoff, nor with a variable count.
+             ``skip_scale_of`` (p-MoD's STRing), not with a variable count; "local": x + s·local(x),
+             local(x) = W_O·W_V·norm1(x), the token's attention with only itself as key (a softmax over
+             one key is 1, so each head returns its own value), s from ``skip_scale_of`` (DTRNet's
+             bypass path; scope "attention" only). None of them with a handoff.
 
     A variable count's unused slots (``Routing.valid``) add nothing under every policy: no Δ, and
     no w·x where the output is weighted; an unused slot under a handoff keeps its row's x.
@@ -155,12 +161,17 @@ class Mixing:
     def check(self, scope: str, variable_count: bool) -> Mixing:
         """This policy, for a router of ``scope`` and count kind; a combination the block cannot
         apply is a ValueError (a variant's error, found when its routed layer is built)."""
-        if scope == "mlp" and self.weight == "mlp":
-            raise ValueError("mixing weight='mlp' weights the MLP output inside the block: a scope 'mlp' router "
-                             "routes the MLP alone, so its weight is weight='block'")
-        if variable_count and self.skip != "keep":
+        if scope != "block" and self.weight == "mlp":
+            alone = "the MLP" if scope == "mlp" else "attention's token mixing"
+            raise ValueError(f"mixing weight='mlp' weights the MLP output inside the block: a scope {scope!r} router "
+                             f"routes {alone} alone, so its weight is weight='block'")
+        if self.skip == "local" and scope != "attention":
+            raise ValueError(f"mixing skip='local' gives a skipped token attention with only itself: that replaces "
+                             f"the token mixing of a scope 'attention' router, got scope {scope!r}")
+        if variable_count and self.skip == "scale":
             raise ValueError(f"mixing skip={self.skip!r} rewrites every skipped row from the routing's per-token "
-                             "scale, which only a fixed count gives: a variable-count router's skip must be 'keep'")
+                             "scale, which only a fixed count gives: a variable-count router's skip must be 'keep' "
+                             "or 'local'")
         return self
 
     @property
@@ -174,7 +185,7 @@ class Mixing:
             processed = f"{'b' if self.handoff else 'x'} + w·(x + Δ)"
         else:
             processed = "x + w·Δ"
-        return processed, "s·x" if self.skip == "scale" else "x"
+        return processed, {"keep": "x", "scale": "s·x", "local": "x + s·local(x)"}[self.skip]
 
 
 @dataclass(frozen=True)
@@ -197,7 +208,8 @@ class Routing:
     aux_losses: dict[str, Tensor]
     stats: dict[str, Tensor]
     valid: Tensor | None = None
-    skip_scale: Tensor | None = None  # (B, T) s of skipped tokens, s·x: with ``Mixing(skip="scale")`` (p-MoD's STRing)
+    # (B, T) s of the skipped tokens: s·x under ``Mixing(skip="scale")`` (p-MoD's STRing), x + s·local(x) under "local"
+    skip_scale: Tensor | None = None
     # With ``Mixing(handoff=True)`` (``mor_token_choice``): per slot, what a processed token's w·(x + Δ) is
     # added to instead of x ((B, k, d)), and what the next routed layer receives as ``previous`` instead of
     # the processed mask (its ``DepthAssignment``).
@@ -445,8 +457,9 @@ class Router(nn.Module):
         return self.decide_causal(x)
 
     def skip_scale_of(self, scores: Tensor) -> Tensor:
-        """(B, T) s, the multiplier on skipped tokens' residual stream, from this layer's scores: the
-        hook of a ``Mixing(skip="scale")`` (p-MoD's STRing), called only under that policy."""
+        """(B, T) s from this layer's scores: the multiplier on skipped tokens' residual stream under a
+        ``Mixing(skip="scale")`` (p-MoD's STRing), on their token-local update under "local" (DTRNet);
+        called only under those policies."""
         raise NotImplementedError(f"{type(self).__name__} declares Mixing(skip='scale') but implements no skip_scale_of")
 
     def assign_causal(self, x: Tensor, previous: object) -> tuple[Tensor, Any]:
@@ -491,7 +504,7 @@ class Router(nn.Module):
         """(B, T) s of the tokens this layer skips (``skip_scale_of`` of their scores), or None when the
         policy keeps them (bit-identical): then no score is computed (causal mode and every KV-cached
         decode step ask per routed layer; the random control's score would draw from the global RNG)."""
-        return self.skip_scale_of(self.score(x)) if self.mixing.skip == "scale" else None
+        return self.skip_scale_of(self.score(x)) if self.mixing.skip != "keep" else None
 
     # --- decoding by an auxiliary predictor (the "+aux" aliases) --------------------------
     def enable_aux_decoding(self, d_model: int, hidden: int, weight: float) -> None:
@@ -575,7 +588,7 @@ class Router(nn.Module):
         stats = self.routing_stats(scores, index) if self.collect_stats else {}
         if self.collect_stats and self.collect_causal:
             stats["causal_decide"] = self.decide_causal_given(x, previous)
-        skip_scale = self.skip_scale_of(scores) if self.mixing.skip == "scale" else None
+        skip_scale = self.skip_scale_of(scores) if self.mixing.skip != "keep" else None
         return Routing(index=index, weight=weight, aux_losses=aux, stats=stats, skip_scale=skip_scale)
 
     @torch.no_grad()
@@ -598,7 +611,8 @@ class Router(nn.Module):
 
 
 class LinearRouter(Router):
-    """A router whose score is one linear logit per token, r = w·x + b (``LinearScorer``, as ``scorer``).
+    """A router whose score is one logit per token, r = w·x + b (``LinearScorer``, as ``scorer``; a subclass
+    may build another scorer, ``make_scorer``).
 
     The scorer is the router's first module, built right after ``Router.__init__``: a subclass
     builds its own modules after it (its ``__init__`` calls this one first), so the order of the
@@ -606,13 +620,18 @@ class LinearRouter(Router):
 
     def __init__(self, d_model: int, config: VariantConfig) -> None:
         super().__init__(config)
-        self.scorer = LinearScorer(d_model)
+        self.scorer = self.make_scorer(d_model)
+
+    def make_scorer(self, d_model: int) -> nn.Module:
+        """The module that gives one logit per token, with a ``flops(d_model)`` method: ``LinearScorer``, or a
+        subclass's own (DTRNet's two-layer router)."""
+        return LinearScorer(d_model)
 
     def score(self, x: Tensor) -> Tensor:
         return self.scorer(x)
 
     def flops_per_token(self, d_model: int) -> tuple[float, float]:
-        return LinearScorer.flops(d_model)
+        return self.scorer.flops(d_model)
 
 
 # --- causal rules several variants share ---------------------------------------------------

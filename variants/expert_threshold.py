@@ -37,10 +37,15 @@ Linearised, the EMA (rate m) and the controller (loop gain g = controller_gain �
 the scores at θ) have poles of product (1 − m)(1 − g): stable where the logit variants' loop is.
 Off by default: the EMA alone holds the share (the point of the method).
 
-modbench's own, not checked against the paper's method section (read through its abstract only):
-one threshold per routed layer (MoD's one expert) rather than per expert, the quantile over the
-step's tokens, the EMA's rate and its 1/n start, the sigmoid(r − θ) weighting, θ = 0 before the
-first estimate, and the slots.
+Checked against the paper's text (arXiv:2603.11535 §3, read from the PDF its authors ship in
+MasterGodzilla/Expert-Threshold-Routing @534360c, ``paper/2603.11535v1.pdf``): eq. 6 routes iff r > c
+in training and inference; Algorithm 1 moves c ← βc + (1 − β)·(the batch's k-th largest logit),
+k = N/E, once per training batch. modbench's own here: one threshold per routed layer (MoD's one
+expert) rather than per expert, the quantile over the step's B·T tokens averaged over its
+micro-batches, the EMA's rate (1/n, then ``momentum`` 0.3, where the paper's β = 0.999 is a rate of
+0.001), r ≥ θ for r > c, the sigmoid(r − θ) weighting (the paper gates with sigmoid(r), §4.1), θ = 0
+before the first estimate, and the slots. The paper also trains by expert choice for its first 4,000
+steps (§3 "Warmup") and its code bias-corrects the EMA: that recipe is ``expert_threshold_released``.
 """
 
 from __future__ import annotations
@@ -138,9 +143,10 @@ class ExpertThresholdRouter(VariableCountRouter):
 
 register_variant("expert_threshold", ExpertThresholdRouter, config=ExpertThresholdConfig,
                  source="Expert-Threshold routing (arXiv:2603.11535)",
-                 # The abstract's rule (EMA threshold from the global token distribution, the same rule in
-                 # training and inference, no auxiliary loss) read in the paper's own words; its method
-                 # section (the EMA, the score, the gate weight) was not available to check.
+                 # The paper's rule (an EMA threshold from the global token distribution, the same rule in
+                 # training and inference, no auxiliary loss: abstract, §3 eq. 6, Algorithm 1), without its
+                 # warm-up; the EMA's rate and the sigmoid(r − θ) gate are ours (the released recipe:
+                 # expert_threshold_released).
                  provenance=Provenance("paper's recipe", "modbench's own", "paper",
-                                       (("Expert-Threshold routing (arXiv:2603.11535) abstract", "paper's text"),
-                                        ("Expert-Threshold routing (arXiv:2603.11535) method section", "secondary"))))
+                                       (("Expert-Threshold routing (arXiv:2603.11535) abstract, §3 (eq. 6, Algorithm 1)",
+                                         "paper's text"),)))

@@ -178,8 +178,9 @@ class VariableCountRouter(LinearRouter):
             stats.update(self.state_stats())
             if self.collect_causal:
                 stats["causal_decide"] = self.decide_causal(x)
+        skip_scale = self.skip_scale_of(scores) if self.mixing.skip != "keep" else None  # (DTRNet's bypass weight)
         return Routing(index=index, weight=weight.unsqueeze(-1) if weight is not None else None, aux_losses=aux,
-                       stats=stats, valid=valid)
+                       stats=stats, valid=valid, skip_scale=skip_scale)
 
     # --- the state updated once per step (budget controller; expert_threshold's threshold) ----------
     def observe_step(self, scores: Tensor, wanting: Tensor, capacity: float) -> None:

@@ -11,8 +11,10 @@ and sums the layers and the head. A routed layer whose B sequences each process 
 with probability s (its realised share) processes b ~ Binomial(B, s) of them
 (``scipy.stats.binom``): its FLOPs are those of b tokens, and its weights are read only when b > 0
 (expected fraction of steps 1 − (1 − s)^B); the router and, for MLP-scope routing, the attention
-run on all B every step. A top-1 mixture of E experts reads E·(1 − (1 − 1/E)^b) expert MLPs in
-expectation (uniform assignment). KV-cache reads count per processed token (its keys and values
+run on all B every step; for attention-scope routing (``dtrnet``) the MLP and the value and output
+projections run on all B (the unrouted tokens' token-local update), and the query and key projections
+and the scores over the cache on the routed ones. A top-1 mixture of E experts reads
+E·(1 − (1 − 1/E)^b) expert MLPs in expectation (uniform assignment). KV-cache reads count per processed token (its keys and values
 over the mean context of the decode steps; a routed layer's cache holds the share s of them).
 Elementwise work (norms, RoPE, softmax, GELU, gathers) and Python overhead count as zero: that is
 the gap this limit exposes. ``peak`` and ``bandwidth`` are measured on the machine
@@ -116,15 +118,20 @@ def model_costs(model: GPT, context: float, shares: list[float] | None = None, b
         block_params = {id(p) for p in block.parameters()}
         router_w = sum(p.numel() for p in router.parameters() if id(p) not in block_params)
         router_flops = router.scoring_flops(d)[0]
+        mlp_w = 0 if experts else expert_w  # a mixture's experts are charged per expert used (``expert_bytes``)
         if router.scope == "mlp":  # attention (and the router) on every token, the MLP on the processed ones
             always_flops, always_w, always_kv = router_flops + attn_flops, router_w + attn_w, kv * context
-            routed_flops, routed_w, routed_kv = mlp_flops, gate_w, 0.0
+            routed_flops, routed_w, routed_kv = mlp_flops, gate_w + mlp_w, 0.0
+        elif router.scope == "attention":  # W_V, W_O and the MLP on every token; W_Q, W_K and the scores on the routed
+            vo_w = attn_w // 2  # (qkv is 3d², the output projection d²: v and o are half of the attention's weights)
+            always_flops = router_flops + 2.0 * vo_w + mlp_flops
+            always_w, always_kv = router_w + vo_w + gate_w + mlp_w, 0.0
+            routed_flops = 2.0 * (attn_w - vo_w) + 4.0 * d * context * share
+            routed_w, routed_kv = attn_w - vo_w, kv * context * share
         else:  # the whole block on the processed tokens, over a cache that holds the share s of the context
             always_flops, always_w, always_kv = router_flops, router_w, 0.0
             routed_flops = 2.0 * attn_w + 4.0 * d * context * share + mlp_flops
-            routed_w, routed_kv = attn_w + gate_w, kv * context * share
-        if not experts:
-            routed_w += expert_w
+            routed_w, routed_kv = attn_w + gate_w + mlp_w, kv * context * share
         costs.append(LayerCost(
             share=share, always_flops=always_flops, always_bytes=always_w * bytes_per_value,
             always_token_bytes=always_kv, routed_flops=routed_flops, routed_bytes=routed_w * bytes_per_value,

@@ -45,10 +45,14 @@ def run(args) -> int:
                         progress=not args.quiet, heartbeat=args.heartbeat, grace=args.grace, tracking_uri=uri,
                         offline_runs=offline, deadline=deadline, amend_claims=args.amend_claims)
     objectives = load_study(args.study_file).settings.objectives
-    arms = arm_summary(trials_frame(outcome.name, outcome.storage), objectives)
+    finished = study_finished(outcome.counts, outcome.stages)
+    # Per-arm numbers only from a finished study: a worker that stops while others still run trials
+    # would print a table taken mid-study, contradicting the last worker's (make quick runs two).
+    arms = arm_summary(trials_frame(outcome.name, outcome.storage), objectives) if finished else None
     report = study_command(["report", args.study_file], tracking_uri=uri, storage=storage, out_dir=args.out_dir)
     summary = {"study": outcome.name, "storage": redact(outcome.storage), "ran": outcome.ran, "trials": outcome.counts,
-               "arms": arms.to_dict(orient="records"), "seconds": round(outcome.seconds, 1), "report": report}
+               "finished": finished, "arms": [] if arms is None else arms.to_dict(orient="records"),
+               "seconds": round(outcome.seconds, 1), "report": report}
     if outcome.stages:
         summary["stages"] = outcome.stages
     if args.quiet or args.json:
@@ -60,7 +64,14 @@ def run(args) -> int:
             from modbench.study.runner import stage_line
 
             print(stage_line(outcome.stages))
-        if len(arms):
+        if arms is None:
+            from modbench.track.store import default_tracking_uri
+
+            status_line = study_command(["study", "status", args.study_file], tracking_uri=default_tracking_uri(),
+                                        storage=storage, out_dir=args.out_dir)  # status takes no --tracking-uri
+            print(f"per arm: {unfinished_text(outcome.counts, outcome.stages)}; the worker that finishes the study "
+                  f"prints the table (now: {status_line})")
+        elif len(arms):
             print("per arm (objectives: mean over finished seeds):\n" + arms.to_markdown(index=False, floatfmt=".4f"))
         print(f"storage: {redact(outcome.storage)}\ncompare runs: {compare_hint(args.study_file, uri)}\nreport: {report}")
     if outcome.counts.get("FAIL", 0) and not outcome.counts.get("COMPLETE", 0):
@@ -114,6 +125,18 @@ def compare_hint(study_file: str, uri: str) -> str:
 
         return f"{redact(uri).rstrip('/')}/#/experiments?{TRAINING_LAYOUT}"
     return study_command(["ui", study_file], tracking_uri=uri, storage=None)
+
+
+def study_finished(counts: dict[str, int], stages: dict | None) -> bool:
+    """Whether nothing of the study is left to run: no trial waits or runs (in any worker), and a
+    staged study has queued its last stage."""
+    return not counts.get("WAITING", 0) and not counts.get("RUNNING", 0) and (stages is None or stages["complete"])
+
+
+def unfinished_text(counts: dict[str, int], stages: dict | None) -> str:
+    """What is left of an unfinished study, for the line printed instead of its per-arm table."""
+    left = [f"{counts[k]} {what}" for k, what in (("RUNNING", "running"), ("WAITING", "waiting")) if counts.get(k)]
+    return (f"{' and '.join(left)} trial(s) left" if left else "later stages to plan") + " (study not finished)"
 
 
 class StudyFailed(ModbenchError):
@@ -256,7 +279,8 @@ def add_parser(sub) -> None:
     r.add_argument("--heartbeat", type=int, default=10, help="seconds between trial heartbeats")
     r.add_argument("--grace", type=int, default=30, help="seconds without heartbeat before a trial counts as dead and is retried")
     add_tracking_flag(r)
-    r.add_argument("--quiet", action="store_true", help="no progress bars; print one JSON line")
+    r.add_argument("--quiet", action="store_true", help="no progress bars; print one JSON line (its per-arm "
+                   "'arms' only from the worker that finishes the study: 'finished' says which)")
     r.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     r.set_defaults(func=run)
     sl = ssub.add_parser("slot", help="run a study on one lent GPU within a deadline: N workers, one archive "

@@ -28,12 +28,13 @@ def run(args) -> int:
         cfg = config_from_args(args)
         if args.print_config:
             if main:
-                print(cfg.to_toml(), end="")
+                print(cfg.to_annotated_toml(), end="")
             return 0
         uri = tracking_uri_of(args) if cfg.train.track else None
         if main and not (args.quiet or args.json):  # --json: stdout is the one JSON document
             print(f"modbench train: {describe(cfg.model, cfg.routing)}")
             print(cfg.to_json())
+            print(cfg.effective_note().removeprefix("# ").rstrip())  # train.lr is not what it trains at
         # One process: Ctrl-C/SIGTERM stop between two steps (modbench.interrupts). Under
         # torchrun every rank must stop at the same step, which a per-process flag cannot
         # promise, so there the signal interrupts where it lands and torchrun ends the group.
@@ -77,7 +78,8 @@ def add_parser(sub) -> None:
     add_config_flags(p)
     add_tracking_flag(p)
     p.add_argument("--print-config", action="store_true",
-                   help="print the resolved config as TOML (what --config reads back) and exit without training")
+                   help="print the resolved config as TOML (what --config reads back), led by a comment with the "
+                        "learning rate and weight decay it trains at, and exit without training")
     p.add_argument("--resume", action="store_true", help="continue from the run's last checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bar; print one JSON summary line")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")

@@ -19,7 +19,7 @@ from typing import Any
 from modbench import variants
 
 from modbench.config.budget import Budget
-from modbench.config.model import ModelConfig, RoutingConfig
+from modbench.config.model import ModelConfig, RoutingConfig, lr_scale, wd_scale
 from modbench.config.help import DEVICES
 from modbench.config.help import SECTIONS as FLAG_HELP
 from modbench.config.io import bounded, check_bounds, from_mapping, parse_literal, read_toml
@@ -98,6 +98,30 @@ class RunConfig:
     def to_json(self) -> str:
         return json.dumps(self.to_toml_dict(), indent=2, sort_keys=True)
 
+    def effective_lr(self) -> float:
+        """The peak learning rate the optimizer gets: ``train.lr`` is the value at n_embd = 768,
+        scaled to this width when ``train.scale_hparams`` (nanochat's rule, ``lr_scale``)."""
+        t = self.train
+        return t.lr * (lr_scale(self.model.width) if t.scale_hparams else 1.0)
+
+    def effective_weight_decay(self) -> float:
+        """The weight decay the optimizer gets: ``train.weight_decay`` is the value at depth 12,
+        scaled to this depth when ``train.scale_hparams`` (nanochat's rule, ``wd_scale``)."""
+        t = self.train
+        return t.weight_decay * (wd_scale(self.model.layers) if t.scale_hparams else 1.0)
+
+    def effective_note(self) -> str:
+        """TOML comment lines naming the learning rate and weight decay the run trains with. Why
+        comments: ``train.lr`` and ``train.weight_decay`` are the unscaled values (what ``--config``
+        reads back); a reader of the file must still see that the run does not train at them."""
+        t = self.train
+        if not t.scale_hparams:
+            return (f"# trains at lr {t.lr:.4g} and weight_decay {t.weight_decay:.4g} as written "
+                    "(train.scale_hparams = false)\n")
+        return (f"# trains at lr {self.effective_lr():.4g} and weight_decay {self.effective_weight_decay():.4g}: "
+                f"train.scale_hparams = true scales train.lr by (768 / n_embd)^0.5 with n_embd {self.model.width} "
+                f"and train.weight_decay by (12 / L)^2 with L = {self.model.layers} layers\n")
+
     def to_toml(self) -> str:
         """The config as a TOML file that ``--config`` reads back to an equal config (``None``
         overrides, which TOML cannot spell, are left out: absent means the same)."""
@@ -107,6 +131,11 @@ class RunConfig:
             return {k: drop_none(v) if isinstance(v, dict) else v for k, v in d.items() if v is not None}
 
         return tomli_w.dumps(drop_none(self.to_toml_dict()))
+
+    def to_annotated_toml(self) -> str:
+        """``to_toml`` led by ``effective_note``: what ``--print-config`` shows (comments, so it
+        still reads back to an equal config)."""
+        return self.effective_note() + self.to_toml()
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "config") -> "RunConfig":

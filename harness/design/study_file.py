@@ -234,10 +234,12 @@ def _choices(path: Path, key: str, value: Any, check) -> list[Any]:
 def _load_settings(p: Path, raw: dict[str, Any]) -> StudySettings:
     """The [study] table: name, sampler, pruner, objectives (declared names), seeds, limits."""
     settings = from_mapping(StudySettings, raw.get("study", {}), f"{p}: study")
+    # ASCII only: the name is also every trial's MLflow experiment (train.experiment), which takes ASCII
+    # names alone; a name str.isalnum() accepts beyond ASCII ('études') passed here and failed every trial.
     if (not settings.name or len(settings.name) > 100 or settings.name.startswith(".")
-            or not all(c.isalnum() or c in "-_." for c in settings.name)):
-        raise _fail(p, "study.name", f"{settings.name[:40]!r} must be a name of 1 to 100 letters, digits, '-', '_' or '.', "
-                                     "not starting with '.' (it names folders)")
+            or not all(c.isascii() and (c.isalnum() or c in "-_.") for c in settings.name)):
+        raise _fail(p, "study.name", f"{settings.name[:40]!r} must be a name of 1 to 100 ASCII letters (A-Z, a-z), digits, "
+                                     "'-', '_' or '.', not starting with '.' (it names folders and the MLflow experiment)")
     if settings.sampler not in SAMPLERS:
         raise _fail(p, "study.sampler", f"{settings.sampler!r} is unknown: expected {accepted(SAMPLERS)}")
     if settings.pruner not in PRUNERS:
@@ -351,6 +353,42 @@ def load_study(path: str | Path) -> StudySpec:
             except ModbenchError as e:
                 raise _fail(p, "space", f"arm {arm.label!r}: {e}") from None
     return study
+
+
+def check_arms_train(study: StudySpec) -> None:
+    """Refuse, before a study creates any storage, the arms the trainer would refuse only once it
+    builds their model: by then the study, its MLflow parent run and the trial's run exist, and
+    every trial of the arm fails in turn. ``load_study`` does not do this itself because building
+    every arm's model costs about a second (``modbench study list`` loads every shipped study).
+    A model-based sampler's arms are drawn later: only a grid's are known here."""
+    if study.settings.sampler != "grid":
+        return
+    for arm in study.arms():
+        try:
+            _check_trains(study.run_config(arm, study.settings.seeds[0]))
+        except ModbenchError as e:
+            raise _fail(study.path, "space", f"arm {study.label(arm)!r}: {e}") from None
+
+
+def _check_trains(cfg: RunConfig) -> None:
+    """The model builds (a variant's own rule on the routed layout, e.g. ``mor_token_choice`` with
+    ``min_depth = 1`` needs two routed layers) and the budget buys at least one optimizer step (the
+    first step at its own capacity, as the trainer counts a FLOP budget). Built on the meta
+    device: no memory, no RNG draw."""
+    import torch
+
+    from modbench.model.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg.model, cfg.routing)
+    t = cfg.train
+    budget = Budget.parse(t.budget)
+    if budget.kind != "flops":
+        return  # steps and tokens: load_run checks them; seconds: no step count
+    first_step = model.training_flops_per_token(t.seq_len, 1) * t.batch_size * t.seq_len * t.grad_accum
+    if budget.amount < first_step * (1 - 1e-12):
+        raise ModbenchError(f"budget {t.budget!r} is smaller than one training step of this model ({first_step:.3g} "
+                            "FLOPs): raise the budget, or shrink batch_size or seq_len")
 
 
 TUNE_KEYS = ("lr_mult", "seed", "min_lr_mult", "max_lr_mult")

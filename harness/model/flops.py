@@ -12,11 +12,16 @@ Conventions (the same for every variant, so ratios are comparable):
   SDPA path); tests cross-check that convention.
 - A routed layer processes k = capacity.k(T) tokens: projections at k, attention at k pairs
   ((k(k+1)/2 causal), plus its router on all T tokens (the router's own count, auxiliary
-  predictors included). ``mlp_skip`` keeps attention at T and the MLP at k. A variable-count
+  predictors included). ``mlp_skip`` keeps attention at T and the MLP at k; a scope "attention"
+  router (``dtrnet``) runs attention at k and the MLP at T. A variable-count
   router (``token_choice``, ``threshold``) runs k_max = min(T, ⌈slack·k⌉) slots in the batched
   forward, and those are what is counted; decoding runs exactly the tokens its rule processes, so
   its decode cost at a realised share is a fixed-count router's at that share
   (``modbench.model.sizing.decode_flops_per_token``).
+- A token-local update (``Mixing(skip="local")``, DTRNet's bypass: a token's attention with itself
+  alone, W_O·W_V·norm(x)) costs the value and output projections, 2·2d² per token it runs on,
+  counted in ``attn_proj``: every token in the batched forward (static shapes: it is computed for all
+  and kept for the skipped), the T − k skipped ones at decode time.
 - A layer whose attention the next router reads (``amod``) materialises its full L × L score
   matrix once more for that router: 2·d·L² FLOPs, counted in its ``router`` part, no backward
   (the scores are detached).
@@ -73,7 +78,7 @@ class LayerFlops:
 def block_flops(d: int, mlp_ratio: int, *, attn_tokens: int, mlp_tokens: int, causal: bool,
                 router: tuple[float, float] = (0.0, 0.0), seq_len: int | None = None,
                 mlp_gate: tuple[float, float] = (0.0, 0.0), attention_summary: bool = False,
-                shared_keys: int | None = None) -> LayerFlops:
+                shared_keys: int | None = None, local_tokens: int = 0) -> LayerFlops:
     """A pre-norm block whose attention sees ``attn_tokens`` and whose MLP sees ``mlp_tokens``.
 
     ``router`` is the (forward, backward) FLOPs per token of a router that scores all
@@ -81,9 +86,11 @@ def block_flops(d: int, mlp_ratio: int, *, attn_tokens: int, mlp_tokens: int, ca
     top-1 mixture runs one expert per token: one MLP's FLOPs). ``attention_summary``: the next
     router reads this block's attention, which costs its L × L scores again (forward only).
     ``shared_keys``: recursive KV sharing's later step, its attention over that many keys of step 0 and
-    no K/V projection. Backward is 2× forward for the matmuls plus the router's and the gate's own backward.
+    no K/V projection. ``local_tokens``: tokens that get the token-local update W_O·W_V·norm(x) (2·2d² each).
+    Backward is 2× forward for the matmuls plus the router's and the gate's own backward.
     """
     proj_attn, _ = projection_flops(d, mlp_ratio, attn_tokens, kv=shared_keys is None)
+    proj_attn += 2.0 * 2 * d * d * local_tokens
     _, proj_mlp = projection_flops(d, mlp_ratio, mlp_tokens)
     T = seq_len if seq_len is not None else attn_tokens
     parts = {"attn_proj": proj_attn, "attn_scores": attention_flops(d, attn_tokens, causal, shared_keys),

@@ -11,9 +11,12 @@ Read top to bottom. Notable features:
   order together with the RoPE angles of their *original* positions, runs attention among
   the selected tokens only (a causal mask on the sorted subset is exact), runs the MLP, and
   adds ``weight · delta`` back with one batched ``index_add``. Unselected tokens are never
-  written, so they come out bit-identical. ``mlp_skip`` routes the MLP alone. How a variant's
+  written, so they come out bit-identical. ``mlp_skip`` routes the MLP alone; ``dtrnet`` routes
+  attention's token mixing alone (scope "attention": the MLP runs on every token after the mix, and
+  the skipped tokens get a token-local update, their attention with themselves alone). How a variant's
   block output meets the residual stream otherwise (its weight on the MLP alone or on the block's
-  output, a handed-over base, scaled skipped tokens) is the router's declared ``Mixing`` policy.
+  output, a handed-over base, scaled or locally updated skipped tokens) is the router's declared
+  ``Mixing`` policy.
 - Capacity 1.0 (and the ``dense`` variant) builds plain blocks: no router, no overhead.
 - Three routing modes (``GPT.forward(..., routing_mode=...)``): ``"topk"`` is the training
   rule above (non-causal: whether token t is selected depends on the scores of later
@@ -24,8 +27,8 @@ Read top to bottom. Notable features:
   every token (MoD switched off: the inference mode of the nanochat fork's MoD docs). The default path is unchanged.
 - One block path: ``Block.attention`` / ``Block.mlp_delta`` / ``Block.delta`` are the block's
   arithmetic for every routing mode and for KV-cached decoding (the cache is an argument, as
-  in nanochat); ``RoutedBlock.pre_route`` / ``routed_delta`` are the only places that read the
-  router's scope, and ``RoutedBlock.mix`` the one place the block's output meets the residual
+  in nanochat); ``RoutedBlock.pre_route`` / ``routed_delta`` / ``post_route`` are the only places that
+  read the router's scope, and ``RoutedBlock.mix`` the one place the block's output meets the residual
   stream (as the router's ``Mixing`` says), for the top-k forward, causal mode and decoding.
 - No host-device synchronisation in the forward pass: k is a Python int from static
   shapes, and nothing calls ``.item()``; the model compiles with ``fullgraph=True``.
@@ -155,6 +158,12 @@ class Attention(nn.Module):
         B, _, T, hd = y.shape
         return self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * hd))
 
+    def alone(self, h: Tensor) -> Tensor:
+        """Each token's attention with itself as its only key: a softmax over one key is 1, so every head
+        returns the token's own value, and the output is W_O·W_V·h (DTRNet's bypass path, arXiv:2509.00925
+        Fig. 1). No q, k or score: 2·2d² FLOPs per token (v is the last d rows of ``qkv``)."""
+        return self.proj(F.linear(h, self.qkv.weight[2 * h.shape[-1]:]))
+
     def forward_masked(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         """Attention with an explicit boolean mask (B, 1, T, T): True = key visible."""
         q, k, v = self.project(x, cos, sin)
@@ -263,6 +272,10 @@ class Block(nn.Module):
     def mlp_delta(self, x: Tensor) -> Tensor:
         return self.mlp(self.norm2(x))
 
+    def local_update(self, x: Tensor) -> Tensor:
+        """attn(norm1(x)) with each token attending to itself alone (``Attention.alone``): a token-local update."""
+        return self.attn.alone(self.norm1(x))
+
     def delta(self, x: Tensor, cos: Tensor, sin: Tensor, mlp_weight: Tensor | None = None, **attention: object) -> Tensor:
         """attn + mlp, or attn + w·mlp with ``mlp_weight`` w of shape (B, T) (p-MoD's weighting)."""
         a = self.attention(x, cos, sin, **attention)
@@ -312,7 +325,7 @@ class LayerOutput:
 
 
 class RoutedBlock(nn.Module):
-    """A block whose router picks the k tokens it processes (scope 'block' or 'mlp')."""
+    """A block whose router picks the k tokens it processes (scope 'block', 'mlp' or 'attention')."""
 
     # Recursive KV sharing (``GPT``): the recursion step of this position of the shared block (0: it
     # records its K/V; ≥ 1: it reads step 0's), None without sharing.
@@ -335,20 +348,32 @@ class RoutedBlock(nn.Module):
         self.mixing = mixing.check(self.router.scope, self.router.variable_count)
 
     # The router's scope is read here, and only here: what runs on every token before routing,
-    # and which part of the block the router gates.
+    # which part of the block the router gates, and what runs on every token after mixing.
     def pre_route(self, x: Tensor, cos: Tensor, sin: Tensor, **attention: object) -> Tensor:
-        """Nothing for scope "block"; attention on every token for scope "mlp" (``mlp_skip``)."""
+        """Nothing for scopes "block" and "attention"; attention on every token for scope "mlp" (``mlp_skip``)."""
         if self.router.scope == "mlp":
             return x + self.block.attention(x, cos, sin, **attention)
         return x
 
+    def post_route(self, h: Tensor) -> Tensor:
+        """Nothing for scopes "block" and "mlp"; the MLP on every token for scope "attention" (DTRNet,
+        arXiv:2509.00925 Fig. 1: the routed tokens' attended stream and the others' locally updated one
+        alike). The MLP is token-wise, so this commutes with choosing rows: every path applies it once,
+        to what ``mix`` left (``forward``, ``mix_causal``, ``skipped``)."""
+        if self.router.scope == "attention":
+            return h + self.block.mlp_delta(h)
+        return h
+
     def routed_delta(self, x: Tensor, cos: Tensor, sin: Tensor, weight: Tensor | None = None,
                      **attention: object) -> Tensor:
-        """The routed tokens' delta: the whole block, or the MLP alone for scope "mlp". Under a
-        ``Mixing(weight="mlp")`` (p-MoD) the router's weight multiplies the MLP output here: ``weight``
-        (B, n, 1) from the top-k routing, else (causal mode, decoding) the token's own ``causal_weight``."""
+        """The routed tokens' delta: the whole block, the MLP alone for scope "mlp", attention alone for
+        scope "attention" (its MLP is ``post_route``'s). Under a ``Mixing(weight="mlp")`` (p-MoD) the router's
+        weight multiplies the MLP output here: ``weight`` (B, n, 1) from the top-k routing, else (causal mode,
+        decoding) the token's own ``causal_weight``."""
         if self.router.scope == "mlp":
             return self.block.mlp_delta(x)
+        if self.router.scope == "attention":
+            return self.block.attention(x, cos, sin, **attention)
         if self.mixing.weight != "mlp":
             return self.block.delta(x, cos, sin, **attention)
         mlp_weight = self.router.causal_weight(x, None) if weight is None else weight.squeeze(-1)
@@ -362,11 +387,12 @@ class RoutedBlock(nn.Module):
 
         A processed token becomes x + w·Δ, x + Δ (weight "none"), x + attn + w·mlp (weight "mlp": ``w``
         was applied inside ``delta``), x + w·(x + Δ) (output) or base + w·(x + Δ) (handoff); a skipped one
-        x, or s·x (skip "scale"). ``x``: (B, T, d) the layer's input; ``xs``: (B, n, d) the input of the
-        n slots ``delta`` was computed for; ``weight``: (B, n, 1) or None (unweighted); ``base``: (B, n, d),
-        with a handoff. Where the slots go: ``decide`` ((B, T) bool; causal mode and decoding, every token a
-        slot, ``xs`` is ``x``), or the top-k slots' ``rows`` of ``flat``, x's (B·T, d) view, with a variable
-        count's ``valid`` slots (unused ones add nothing) and a skip scale's ``scale`` (B, T)."""
+        ``skip_value(x)``: x, s·x (skip "scale") or x + s·local(x) (skip "local"). ``x``: (B, T, d) the
+        layer's input; ``xs``: (B, n, d) the input of the n slots ``delta`` was computed for; ``weight``:
+        (B, n, 1) or None (unweighted); ``base``: (B, n, d), with a handoff. Where the slots go: ``decide``
+        ((B, T) bool; causal mode and decoding, every token a slot, ``xs`` is ``x``), or the top-k slots'
+        ``rows`` of ``flat``, x's (B·T, d) view, with a variable count's ``valid`` slots (unused ones add
+        nothing) and a skip rule's ``scale`` (B, T)."""
         m = self.mixing
         if valid is not None:  # a variable count: unused slots' delta is zeroed (rows unchanged)
             delta = delta * valid.unsqueeze(-1).to(xs.dtype)
@@ -377,7 +403,8 @@ class RoutedBlock(nn.Module):
         if weight is not None and m.weight == "block":
             delta = delta * weight.to(delta.dtype)
         if decide is not None:
-            return torch.where(decide.unsqueeze(-1), (xs if base is None else base.to(xs.dtype)) + delta, self.skipped(x))
+            processed = (xs if base is None else base.to(xs.dtype)) + delta
+            return torch.where(decide.unsqueeze(-1), processed, self.skip_value(x))
         B, T, d = x.shape
         # Under autocast the delta leaves the linears in bf16 while the residual stream stays fp32.
         delta = delta.reshape(-1, d).to(flat.dtype)
@@ -386,20 +413,36 @@ class RoutedBlock(nn.Module):
             if valid is not None:
                 new = torch.where(valid.reshape(-1, 1), new, xs.reshape(-1, d))
             return flat.index_copy(0, rows, new).view(B, T, d)
-        if m.skip == "scale":  # p-MoD's STRing: every row starts as s·x, then the processed rows become x + w·Δ
-            return self._scaled(x, scale).reshape(B * T, d).index_copy(0, rows, xs.reshape(-1, d) + delta).view(B, T, d)
+        if m.skip != "keep":  # every row starts as a skipped token's value (s·x, x + s·local(x)), then the slots
+            every = self.skip_value(x, scale).reshape(B * T, d)
+            new = xs.reshape(-1, d) + delta
+            if valid is not None:  # a variable count's unused slot leaves its row's skipped value
+                new = torch.where(valid.reshape(-1, 1), new, every.index_select(0, rows))
+            return every.index_copy(0, rows, new).view(B, T, d)
         return flat.index_add(0, rows, delta).view(B, T, d)
 
     @staticmethod
     def _scaled(x: Tensor, scale: Tensor) -> Tensor:
         return x * scale.unsqueeze(-1).to(x.dtype)
 
-    def skipped(self, x: Tensor) -> Tensor:
-        """What a skipped token's residual stream becomes: x itself (bit for bit), or x scaled by the
-        router's ``skip_scale`` under ``Mixing(skip="scale")`` (p-MoD's STRing)."""
+    def skip_value(self, x: Tensor, scale: Tensor | None = None) -> Tensor:
+        """What ``mix`` leaves for a skipped token: x itself (bit for bit) under ``Mixing(skip="keep")``;
+        s·x under "scale" (p-MoD's STRing); x + s·local(x) under "local" (DTRNet's bypass: the token's
+        attention with itself alone, ``Block.local_update``, weighted by the router's 1 − p). ``scale``: the
+        routing's s (B, T), or None: the router's ``skip_scale_of`` its scores of ``x``."""
         if self.mixing.skip == "keep":
             return x
-        return self._scaled(x, self.router.skip_scale_of(self.router.score(x)))
+        if scale is None:
+            scale = self.router.skip_scale_of(self.router.score(x))
+        if self.mixing.skip == "scale":
+            return self._scaled(x, scale)
+        return x + self._scaled(self.block.local_update(x), scale)
+
+    def skipped(self, x: Tensor) -> Tensor:
+        """A skipped token's output of this layer: ``skip_value`` then ``post_route`` (x itself, bit for
+        bit, under skip "keep" outside scope "attention"). The decoders write it for the sequences whose
+        token the layer skips."""
+        return self.post_route(self.skip_value(x))
 
     def mix_causal(self, x: Tensor, decide: Tensor, delta: Tensor, handoff: object | None = None,
                    rows: Tensor | None = None) -> Tensor:
@@ -414,7 +457,8 @@ class RoutedBlock(nn.Module):
                 weight, base = weight.index_select(0, rows), base.index_select(0, rows)
         else:
             weight = self.router.causal_weight(x, decide) if self.mixing.weight == "block" else None
-        return self.mix(x, x, delta, None if weight is None else weight.unsqueeze(-1), base, decide=decide)
+        weight = None if weight is None else weight.unsqueeze(-1)
+        return self.post_route(self.mix(x, x, delta, weight, base, decide=decide))
 
     def decide(self, x: Tensor, previous: object | None) -> tuple[Tensor, object | None]:
         """The causal decision (B, T) and what the next routed layer receives instead of it (None: the
@@ -445,6 +489,7 @@ class RoutedBlock(nn.Module):
         # A variable count's unused slots (``r.valid``) are no keys; ``mix`` zeroes their delta.
         delta = self.routed_delta(xs, cs, sn, r.weight, mask=subset_mask(r.valid), **kv)
         out = self.mix(x, xs, delta, r.weight, r.base, flat=flat, rows=rows, valid=r.valid, scale=r.skip_scale)
+        out = self.post_route(out)  # (scope "attention": the MLP on every token)
         processed = r.processed(T)
         stats = dict(r.stats, layer_index=r.index, layer_processed=processed) if self.router.collect_stats else r.stats
         aux = r.aux_losses
@@ -467,17 +512,25 @@ class RoutedBlock(nn.Module):
         return seq_len if self.router.scope == "mlp" else k
 
     def flops(self, seq_len: int, *, causal: bool = True, shared_keys: int | None = None) -> flop_math.LayerFlops:
-        """Analytic FLOPs over one sequence: the block at k tokens (the MLP alone at k for
-        scope "mlp"), plus the router on all ``seq_len`` tokens. ``shared_keys``: a later step under
-        recursive KV sharing, attending to that many keys of step 0 and projecting no K/V."""
+        """Analytic FLOPs over one sequence: the block at k tokens (the MLP alone at k for scope "mlp";
+        attention alone at k and the MLP at every token for scope "attention"), a skip "local" update on
+        the tokens it runs on (every token in the batched forward, whose static shapes compute it for all
+        and keep it for the skipped; the skipped ones alone when counting as decoding runs,
+        ``Router.count_batched_slots`` off), plus the router on all ``seq_len`` tokens. ``shared_keys``: a
+        later step under recursive KV sharing, attending to that many keys of step 0 and projecting no K/V."""
         k = self.router.tokens_run(self.capacity.k(seq_len), seq_len)
         attn_tokens = self.attention_tokens(seq_len)
+        mlp_tokens = seq_len if self.router.scope == "attention" else k
+        local_tokens = 0
+        if self.mixing.skip == "local":
+            local_tokens = seq_len if self.router.count_batched_slots else seq_len - k
         cfg = self.block.cfg
         mlp = self.block.mlp
         gate = mlp.gate_flops(cfg.width) if isinstance(mlp, TopOneMoE) else (0.0, 0.0)
-        return flop_math.block_flops(cfg.width, cfg.mlp_ratio, attn_tokens=attn_tokens, mlp_tokens=k, causal=causal,
-                                     router=self.router.scoring_flops(cfg.width), seq_len=seq_len, mlp_gate=gate,
-                                     attention_summary=self.block.attn.expose, shared_keys=shared_keys)
+        return flop_math.block_flops(cfg.width, cfg.mlp_ratio, attn_tokens=attn_tokens, mlp_tokens=mlp_tokens,
+                                     causal=causal, router=self.router.scoring_flops(cfg.width), seq_len=seq_len,
+                                     mlp_gate=gate, attention_summary=self.block.attn.expose, shared_keys=shared_keys,
+                                     local_tokens=local_tokens)
 
     def forward_causal(self, x: Tensor, cos: Tensor, sin: Tensor, previous: Tensor | None = None,
                        share: KVShare | None = None) -> LayerOutput:
@@ -574,7 +627,7 @@ class GPT(nn.Module):
                 layer.router.attention_source = True
         self.kv_sources = self._share_kv(cfg, layers)
         routed = [layer.router for layer in layers if isinstance(layer, RoutedBlock)]
-        for j, router in enumerate(routed):  # a router that assigns depths up front learns its place (mor_token_choice)
+        for j, router in enumerate(routed):  # a router that needs its place learns it (mor_token_choice, dtrnet)
             if hasattr(router, "place"):
                 router.place(j, len(routed))
         self.norm = nn.RMSNorm(cfg.width)

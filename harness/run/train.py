@@ -33,7 +33,6 @@ from modbench.run.heatmap import log_routing_heatmap
 from modbench.run.step_metrics import Window, cumulative_flops, mean_logged
 from modbench.config.budget import Budget
 from modbench.track.checkpoint import check_writable, load_checkpoint, save_checkpoint
-from modbench.config.model import lr_scale, wd_scale
 from modbench.data import Corpus, dataset_origin, eval_windows, eval_windows_with_labels, get_batch, load_corpus
 from modbench.errors import ModbenchError
 from modbench.run.evaluate import evaluate, evaluate_causal
@@ -85,8 +84,7 @@ def resolve_device(name: str) -> torch.device:
 
 def build_optimizer(model: GPT, cfg: RunConfig) -> torch.optim.AdamW:
     t = cfg.train
-    lr = t.lr * (lr_scale(cfg.model.width) if t.scale_hparams else 1.0)
-    wd = t.weight_decay * (wd_scale(cfg.model.layers) if t.scale_hparams else 1.0)
+    lr, wd = cfg.effective_lr(), cfg.effective_weight_decay()  # what --print-config says it trains with
     decay, no_decay, router = [], [], []
     router_ids = {id(p) for p in model.router_parameters()}  # by identity: see GPT.router_parameters
     for p in model.parameters():
@@ -185,6 +183,8 @@ class _Run:
     aux_acc: dict[str, torch.Tensor] = field(default_factory=dict)
     route_stats: list[dict[str, torch.Tensor]] = field(default_factory=list)
     grad_norm: torch.Tensor | None = None
+    logged_step: int = -1  # the step of the keys in ``logged_keys`` (``_log_once``)
+    logged_keys: set[str] = field(default_factory=set)
 
 
 # --- the phases -----------------------------------------------------------------------------
@@ -200,15 +200,17 @@ def _train(cfg: RunConfig, device: torch.device, *, tracker: RunTracker | None, 
         bar = _progress(progress and run.main, run.total_steps, run.start_step, run.run_dir.name)
         run.window_start = time.perf_counter()
         run.run_start = time.perf_counter() - run.elapsed_before
-        while (frac := _progress_fraction(run)) is not None:
-            interrupts.check()  # Ctrl-C/SIGTERM stop here, between two steps (modbench.interrupts)
-            log_now = _train_step(run, frac)
-            if log_now:
-                bar.set_postfix(**_log_step(run))
-            _checkpoint_phase(run)
-            _evaluate_phase(run, on_eval)
-            bar.update(1)
-        bar.close()
+        try:
+            while (frac := _progress_fraction(run)) is not None:
+                interrupts.check()  # Ctrl-C/SIGTERM stop here, between two steps (modbench.interrupts)
+                log_now = _train_step(run, frac)
+                if log_now:
+                    bar.set_postfix(**_log_step(run))
+                _checkpoint_phase(run)
+                _evaluate_phase(run, on_eval)
+                bar.update(1)
+        finally:  # now, not when the bar is collected: its last line would come after the error line
+            bar.close()
         if not run.main:
             return distributed.broadcast_object(None)  # rank 0's result, once it has finished
         result = _finish(run)
@@ -394,12 +396,27 @@ def _log_step(run: _Run) -> dict[str, str]:
     metrics: dict[str, float] = {}
     for fn in step_metrics.STEP_METRICS:
         metrics.update(fn(run, window))
-    run.tracker.log_metrics(metrics, run.step)
+    _log_once(run, metrics)
     run.history.append({"step": run.step, **metrics})
     run.lm_acc.zero_()
     run.aux_acc, run.route_stats = {}, []
     run.window_steps, run.window_start = 0, time.perf_counter()
     return {"loss": f"{loss:.4f}", "tok_s": f"{metrics['perf/tokens_per_s']:,.0f}"}
+
+
+def _log_once(run: _Run, metrics: dict[str, float]) -> None:
+    """Log ``metrics`` at the run's step, leaving out the keys already logged at this step.
+
+    Why: an evaluation (and the final one) falls on a step the training log has already written,
+    and both carry the chart axes (``perf/cum_flops``, ``perf/cum_tokens``, ``perf/flops_per_token``).
+    MLflow keeps every copy, so a chart whose x-axis is ``perf/cum_flops`` got two points per
+    evaluation step (vertical stair-steps, and grouped lines that end at the wrong value)."""
+    if run.logged_step != run.step:
+        run.logged_step, run.logged_keys = run.step, set()
+    fresh = {k: v for k, v in metrics.items() if k not in run.logged_keys}
+    run.logged_keys.update(fresh)
+    if fresh:
+        run.tracker.log_metrics(fresh, run.step)
 
 
 def _checkpoint_phase(run: _Run) -> None:
@@ -429,7 +446,7 @@ def _evaluate_phase(run: _Run, on_eval: Callable[[int, dict[str, float]], None] 
     logged = {f"val/{k}": v for k, v in val.items()}
     logged.update({"perf/cum_flops": cumulative_flops(run),
                    "perf/cum_tokens": run.step * run.tokens_per_step})
-    run.tracker.log_metrics(logged, run.step)
+    _log_once(run, logged)
     run.history.append({"step": run.step, **logged})
     if on_eval is not None:
         on_eval(run.step, val)
@@ -481,7 +498,7 @@ def _finish(run: _Run) -> TrainResult:
     final = {**{f"val/{k}": v for k, v in val.items()}, **{f"test/{k}": v for k, v in test.items()},
              "perf/train_tokens_per_s": tokens_per_s,
              "perf/total_flops": cumulative_flops(run), "perf/flops_per_token": run.flops_per_token}
-    run.tracker.log_metrics(final, run.step)
+    _log_once(run, final)
     log_routing_heatmap(run.model, val_x, run.device, run.tracker, run.run_dir, run.routed_ids)
     _save(run)
     checkpoint = _publish_checkpoint(run)
@@ -491,7 +508,7 @@ def _finish(run: _Run) -> TrainResult:
     wall = time.perf_counter() - run.run_start - run.elapsed_before
     overhead = run.tracker.seconds / max(wall, 1e-9)
     final["perf/logging_overhead"] = overhead
-    run.tracker.log_metrics({"perf/logging_overhead": overhead}, run.step)  # sent by the tracker's end
+    _log_once(run, {"perf/logging_overhead": overhead})  # sent by the tracker's end
     record = RunRecord(run.tracker.run_id, "FINISHED", run.cfg.to_dict(), declared(final), run.step, tokens_done,
                        checkpoint)
     return TrainResult(record=record, 
@@ -555,6 +572,11 @@ class _NoBar:
 def _progress(enabled: bool, total: int | None, initial: int, desc: str):
     if not enabled:
         return _NoBar()
+    import sys
+
     from modbench.progress import progress_bar
 
-    return progress_bar(total=total, initial=initial, desc=desc, unit="step")
+    # In a log, not a terminal, each redraw is a line of its own: a bar nested under another (a trial's
+    # steps under `study run`'s trials) must not move the cursor up to its row, which writes ESC[A lines.
+    nested = {} if sys.stderr.isatty() else {"position": 0}
+    return progress_bar(total=total, initial=initial, desc=desc, unit="step", **nested)

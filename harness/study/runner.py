@@ -45,7 +45,7 @@ from modbench import interrupts
 from modbench.errors import ModbenchError, redact
 from modbench.results import RunRecord
 from modbench.design.arm import Arm
-from modbench.design.study_file import StudySpec, load_study
+from modbench.design.study_file import StudySpec, check_arms_train, load_study
 from modbench.design.controls import study_arms
 from modbench.study.points import (
     FIXED_ATTR, arm_of, check_preregistration, preregister, fixed_settings, grid_attrs, point_attrs, queue_new_grid_points,
@@ -65,6 +65,7 @@ CREATION_WAIT_S = 300.0  # how long a worker waits for another to finish creatin
 STAGE_POLL_S = 1.0  # how often a worker with nothing to run looks whether the current stage has finished
 STAGES_ATTR = "stages"  # study user attr: the stages queued so far, in order ({"stage", "queued", "record"})
 STAGES_DONE_ATTR = "stages_complete"  # study user attr: True once the last stage has nothing left to queue
+STUDY_FILES_ATTR = "study_files"  # study user attr: {sha256: resolved path} of every study file that has run it
 
 
 @contextmanager
@@ -143,14 +144,16 @@ class RunDestination:
             return OfflineTracker(experiment, root=self.offline, **kwargs)
         return Tracker(experiment, uri=self.tracking_uri, **kwargs)
 
-    def fail(self, experiment: str, run_ids: list[str]) -> None:
-        """End the runs of workers that died (RUNNING → FAILED)."""
+    def fail(self, experiment: str, run_ids: list[str], reason: str) -> None:
+        """End the runs of workers that died (RUNNING → FAILED), their ``optuna.state`` tag with
+        them: the trial is FAIL in Optuna now, and the dead worker left the tag at RUNNING."""
+        tags = {"optuna.state": "FAIL", "modbench.fail_reason": reason}
         if self.offline is not None:
             from modbench.track.offline import fail_offline_runs
 
-            fail_offline_runs(self.offline, run_ids)
+            fail_offline_runs(self.offline, run_ids, tags)
         else:
-            fail_stale_runs(experiment, uri=self.tracking_uri, run_ids=run_ids)
+            fail_stale_runs(experiment, uri=self.tracking_uri, run_ids=run_ids, tags=tags)
 
     def finish_parent(self, experiment: str, run_id: str, metrics: dict[str, float]) -> None:
         """Log the study's summary metrics on its parent run and end it FINISHED."""
@@ -177,7 +180,7 @@ def open_storage(url: str, experiment: str, *, runs: RunDestination, heartbeat: 
             # The worker died: its MLflow child run must not stay RUNNING forever.
             run_id = trial.user_attrs.get("mlflow_run_id")
             if run_id:
-                runs.fail(experiment, [run_id])
+                runs.fail(experiment, [run_id], "worker lost (no heartbeat)")
             retry(study, trial)
 
         return connect_storage(url, heartbeat_interval=heartbeat, grace_period=grace,
@@ -225,6 +228,7 @@ class Runner:
         self.deadline = deadline  # seconds since the epoch: no trial starts that would end after it
         self.amend_claims = amend_claims  # a change of the pre-registered claim settings is recorded, not refused
         self.interrupted: str | None = None  # which trial a Ctrl-C / SIGTERM re-queued
+        self.trial_progress = False  # a step bar (loss, tokens/s) inside each trial: set by ``run``
         if study.tune.lr_mult:
             check_stage_storage(storage_url)
         self.storage = open_storage(storage_url, study.name, runs=runs, heartbeat=heartbeat, grace=grace)
@@ -254,6 +258,7 @@ class Runner:
                 optuna.delete_study(study_name=s.name, storage=self.storage)
                 raise
         else:
+            self._refuse_another_file(study)
             if study.directions != [optuna.study.StudyDirection.MINIMIZE if d == "minimize" else optuna.study.StudyDirection.MAXIMIZE for d in s.directions]:
                 raise ModbenchError(f"study {s.name!r} in {self.storage_url} has other objectives than {s.path}: give the study a new name")
             refuse_changed_fixed_settings(study, s, self.storage_url)
@@ -272,12 +277,37 @@ class Runner:
                 if not s.tune.lr_mult:  # a staged study's next plan queues what the edit adds
                     queue_new_grid_points(study, s)  # the first worker to see the edited file queues what it adds
                 study.set_user_attr("study_file_sha256", s.file_sha256)
+            self._record_file(study)
         return study
+
+    def _record_file(self, study: optuna.Study) -> None:
+        """Remember this study file (its sha256 and where it is) as one that runs the study."""
+        files = dict(study.user_attrs.get(STUDY_FILES_ATTR, {}))
+        if files.get(self.study.file_sha256) is None:
+            files[self.study.file_sha256] = str(Path(self.study.path).resolve())
+            study.set_user_attr(STUDY_FILES_ATTR, files)
+
+    def _refuse_another_file(self, study: optuna.Study) -> None:
+        """A different study file that happens to share ``[study] name`` must not add its arms to
+        this study (its trials would mix into the other's report). Accepted: a file with the content
+        of one that ran the study (a copy on another worker's machine), or an edit of such a file in
+        place (adding arms or seeds to one's own study is how a study grows). A study created before
+        modbench recorded its files accepts any, as before."""
+        files = study.user_attrs.get(STUDY_FILES_ATTR)
+        here = str(Path(self.study.path).resolve())
+        if files is None or self.study.file_sha256 in files or here in files.values():
+            return
+        first = next(iter(files.values()))
+        raise ModbenchError(
+            f"{self.study.path}: study {self.study.name!r} in {redact(self.storage_url)} was created from another file "
+            f"({first}) and this file differs from it: rename study.name in {Path(self.study.path).name} to start a new "
+            f"study, or run {first} to resume that one")
 
     def _initialise(self, study: optuna.Study) -> None:
         """The creating worker's part: attributes, the MLflow parent run, the whole grid queued."""
         s = self.study
         study.set_user_attr("study_file_sha256", s.file_sha256)
+        self._record_file(study)
         study.set_user_attr("objectives", s.settings.objectives)
         study.set_user_attr(FIXED_ATTR, fixed_settings(s))
         with warnings.catch_warnings():  # experimental in Optuna 5
@@ -351,7 +381,7 @@ class Runner:
             tracker.log_params({"trial.number": trial.number, "trial.seed": seed, **{f"arm.{k}": v for k, v in arm.to_dict().items()}})
             try:
                 interrupts.check()  # asked to stop while the run opened: this trial waits for the re-run
-                result = train(cfg, tracker=tracker, progress=False, on_eval=report)
+                result = train(cfg, tracker=tracker, progress=self.trial_progress, on_eval=report)
             except optuna.TrialPruned:
                 tracker.set_tags({"optuna.state": "PRUNED"})
                 tracker.end("KILLED")
@@ -389,7 +419,7 @@ class Runner:
                 continue  # another worker got there first
             run_id = t.user_attrs.get("mlflow_run_id")
             if run_id:
-                self.runs.fail(self.study.name, [run_id])
+                self.runs.fail(self.study.name, [run_id], f"worker lost (pid {pid} on {host} is gone); queued again")
             self.optuna.enqueue_trial(t.params, user_attrs=point_attrs(t.user_attrs))
             print(f"modbench: trial {t.number} ({t.user_attrs.get('arm')}, seed {t.user_attrs.get('seed')}) lost its "
                   f"worker (pid {pid} on this host is gone): queued again", file=sys.stderr)
@@ -482,6 +512,7 @@ class Runner:
         grid = s.settings.sampler == "grid"
         start = time.monotonic()
         ran = 0
+        self.trial_progress = progress  # without it, a long trial shows nothing until it ends
         bar = _Progress(progress, self)
         try:
             while max_trials is None or ran < max_trials:
@@ -596,6 +627,7 @@ def run_study(path: str | Path, *, storage: str | None = None, out_dir: str | Pa
     files there instead of MLflow; ``deadline``: start no trial that would end after it (epoch s);
     ``amend_claims``: record a change of the pre-registered claim settings instead of refusing it."""
     study = load_study(path)
+    check_arms_train(study)  # an arm the trainer would refuse: now, before any storage exists
     if n_trials is not None and n_trials < 1:
         raise ModbenchError(f"--n-trials must be >= 1, got {n_trials}")
     check_writable(Path(out_dir), "--out-dir")

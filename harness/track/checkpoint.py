@@ -23,13 +23,27 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, tmp)
+        _write(state, tmp)
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         kept = " (its previous checkpoint is kept)" if path.exists() else ""
         raise ModbenchError(f"cannot write the checkpoint {path} ({e.strerror or e}){kept}: free space or pick "
                             "another --out-dir, then --resume") from None
+    except BaseException:  # Ctrl-C, or anything else mid-write: no partial file either
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write(state: dict[str, Any], tmp: Path) -> None:
+    """``torch.save`` through a file we opened, then flushed to the disk. Why not ``torch.save(state,
+    tmp)``: given a path, torch writes with its own C++ writer, which reports a full disk as a
+    RuntimeError ("unexpected pos …"), not as the OSError(ENOSPC) Python's file raises; and the
+    fsync makes the disk refuse now, before the rename replaces the previous checkpoint."""
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def load_checkpoint(path: Path, *, run_id: str | None = None) -> dict[str, Any]:

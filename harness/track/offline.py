@@ -289,9 +289,9 @@ class OfflineTracker(TimedRun):
 # --------------------------------------------------------------------------- reading the files
 
 
-def fail_offline_runs(root: str | Path, run_ids: list[str]) -> int:
+def fail_offline_runs(root: str | Path, run_ids: list[str], tags: dict[str, str] | None = None) -> int:
     """Mark those of ``run_ids`` under ``root`` that are still RUNNING as FAILED (workers that
-    died without ending their run); returns how many changed."""
+    died without ending their run), with ``tags`` set on them; returns how many changed."""
     changed = 0
     for run_id in run_ids:
         path = Path(root) / run_id / RUN_FILE
@@ -301,6 +301,7 @@ def fail_offline_runs(root: str | Path, run_ids: list[str]) -> int:
             continue  # no such run (or never written): nothing to fail
         if record.get("status") == "RUNNING":
             record.update(status="FAILED", end_time=_now_ms())
+            record.setdefault("tags", {}).update({str(k): redact(v) for k, v in (tags or {}).items()})
             _write_json_atomically(path, record)
             changed += 1
     return changed

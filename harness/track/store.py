@@ -201,8 +201,48 @@ def connect(uri: str):
         client = MlflowClient(tracking_uri=uri)
         client.search_experiments(max_results=1)
     except Exception as exc:  # any failure to reach/open the store is the user's to fix
-        raise _unreachable(uri, first_line(exc)) from exc
+        raise (_half_migrated(uri, exc) or _unreachable(uri, first_line(exc))) from exc
     return client
+
+
+# What SQLite says when MLflow re-runs a schema migration that an interrupted first open had half
+# applied (SQLite commits each ALTER TABLE at once; the migration's version row never got written).
+HALF_MIGRATED = ("duplicate column name", "already exists")
+
+
+def _half_migrated(uri: str, exc: BaseException) -> ModbenchError | None:
+    """The line for a SQLite store whose schema migration was interrupted (Ctrl-C while MLflow
+    created a fresh ./mlflow.db): every later open fails on the half-applied migration, and the
+    generic "cannot reach" line gives no way out. Deleting the file is the way out when it holds no
+    runs (the interrupted migration was the store's first); otherwise it says so and keeps it."""
+    db = sqlite_db_path(uri)
+    if db is None or not any(text in str(exc) for text in HALF_MIGRATED):
+        return None
+    reason = store_problem(exc)
+    runs = _run_count(db)
+    if runs == 0:
+        return ModbenchError(f"the MLflow store {db} was left half-created: its first migration was interrupted ({reason}); "
+                             f"it holds no runs: delete {db} and run again (a new store is created)")
+    held = f"holds {runs} runs" if runs else "may hold runs"
+    return ModbenchError(f"the MLflow store {db} has a half-applied schema migration ({reason}) and {held}: "
+                         "restore it from a backup, or pass another --tracking-uri")
+
+
+def _run_count(db: Path) -> int | None:
+    """How many runs the SQLite store holds: 0 also when it has no runs table yet, None when
+    SQLite cannot say (then nobody is told to delete it)."""
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(f"file:{quote(db.as_posix())}?mode=ro", uri=True, timeout=_CONNECT_TIMEOUT_S)
+        try:
+            return int(con.execute("SELECT COUNT(*) FROM runs").fetchone()[0])
+        finally:
+            con.close()
+    except sqlite3.OperationalError as e:
+        return 0 if "no such table" in str(e) else None
+    except sqlite3.Error:
+        return None
 
 
 def artifact_root(uri: str) -> str | None:

@@ -530,12 +530,14 @@ def fail_stale_runs(
     uri: str,
     older_than_s: float = 0,
     run_ids: list[str] | None = None,
+    tags: dict[str, str] | None = None,
 ) -> int:
     """Mark RUNNING runs of ``experiment`` as FAILED, for workers that died without
     ending their run. A run counts as stale when its last sign of life (the latest of
     its start time and the heartbeat tag each metric flush writes) is more than
-    ``older_than_s`` seconds ago; ``run_ids`` restricts the candidates. Returns how many
-    runs were changed (0 when the experiment does not exist)."""
+    ``older_than_s`` seconds ago; ``run_ids`` restricts the candidates. ``tags`` are set on
+    each run it fails first (a study's ``optuna.state``, which the dead worker left RUNNING).
+    Returns how many runs were changed (0 when the experiment does not exist)."""
     from mlflow.entities import ViewType
 
     client = connect(uri)
@@ -568,6 +570,8 @@ def fail_stale_runs(
         except ValueError:
             pass
         if now - last >= older_than_s:
+            for key, value in (tags or {}).items():
+                client.set_tag(run.info.run_id, key, redact(value))
             client.set_terminated(run.info.run_id, status="FAILED")
             changed += 1
     return changed
