@@ -20,14 +20,12 @@ install: $(STAMP)
 
 # The main job: two workers, one thread each (how its README time was measured), then the report.
 quick: $(STAMP)
-	( OMP_NUM_THREADS=1 $(BIN)/modbench study run studies/quick.toml --quiet & \
-	  OMP_NUM_THREADS=1 $(BIN)/modbench study run studies/quick.toml; wait )
+	OMP_NUM_THREADS=1 $(BIN)/modbench study run studies/quick.toml --workers 2
 	$(BIN)/modbench report studies/quick.toml
 
 # The reference study (reports/paper_claims/): two workers, one thread each, then the report.
 paper-claims: $(STAMP)
-	( OMP_NUM_THREADS=1 $(BIN)/modbench study run paper_claims --quiet & \
-	  OMP_NUM_THREADS=1 $(BIN)/modbench study run paper_claims --quiet; wait )
+	OMP_NUM_THREADS=1 $(BIN)/modbench study run paper_claims --workers 2 --quiet
 	$(BIN)/modbench report paper_claims
 
 demo: $(STAMP)
@@ -183,3 +181,12 @@ clean:
 .PHONY: gpu-decode-bench
 gpu-decode-bench: gpu-pkg
 	$(GPU_RUN) -m modbench.bench.gpu_decode --out $(or $(OUT),reports/bench)
+
+# Where the dense layer's eager time goes (issue 38 item 3): nanoGPT's block shape with modbench's norm and RoPE
+# added one at a time, then modbench's DenseLayer, interleaved, profiled per category →
+# $(or $(OUT),reports/bench)/dense-layer-<gpu>.md and .json (modbench.bench.dense_layer; tests/bench/test_dense_layer.py).
+.PHONY: gpu-dense-profile
+gpu-dense-profile: gpu-pkg
+	mkdir -p $(or $(OUT),reports/bench)
+	$(GPU_RUN) -m modbench.bench.dense_layer --device cuda --json $(or $(OUT),reports/bench)/dense-layer-$(GPU_NAME).json \
+	  > $(or $(OUT),reports/bench)/dense-layer-$(GPU_NAME).md

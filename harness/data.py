@@ -29,7 +29,6 @@ import os
 import platform
 import sysconfig
 import tempfile
-import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePath
@@ -284,7 +283,13 @@ def _pinned_stdlib(path: Path) -> Path:
 
 
 def _fetch(name: str, base: Path) -> Path:
-    """Path of the verified file for a downloadable dataset, downloading it if absent."""
+    """Path of the verified file for a downloadable dataset, downloading it if absent.
+
+    pooch downloads (a progress bar, the sha256 check where modbench knows the hash, two retries,
+    a temporary file in the target folder that only a verified download replaces). Kept here: the
+    cached file is checked and reported, never silently downloaded again; the size is checked too
+    (enwik8 has no hash modbench could verify); a zip's one member is extracted with a size cap;
+    and every failure is one line naming the URL and where to put a copy."""
     src = SOURCES[name]
     path = base / src.filename
     if path.exists():
@@ -294,33 +299,91 @@ def _fetch(name: str, base: Path) -> Path:
                                 "delete it to download it again")
         return path
     url = os.environ.get(f"MODBENCH_{name.upper()}_URL") or src.url
-    fd, tmp_name = tempfile.mkstemp(dir=base, prefix=f".{src.filename}.", suffix=".part")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    extracted = tmp.with_name(tmp.name + ".member")
+    download = base / (src.filename + (".zip" if src.kind == "zip" else ""))
+    extracted = base / f".{src.filename}.member"
     try:
-        try:
-            with urllib.request.urlopen(url, timeout=60) as resp, open(tmp, "wb") as out:
-                while chunk := resp.read(1 << 20):
-                    out.write(chunk)
-        # URLError/HTTPError/timeouts are OSErrors; a short body is IncompleteRead; a bad
-        # override URL is a ValueError.
-        except (OSError, http.client.HTTPException, ValueError) as exc:
-            raise ModbenchError(f"could not download {name} from {url} ({_one_line(exc)}); "
-                                f"place a copy at {path}") from exc
-        got = tmp
+        got = _download(name, url, download, None if src.kind == "zip" else src.sha256, path)
         if src.kind == "zip":
-            got = _extract(tmp, extracted, src, name, url, path)
+            got = _extract(got, extracted, src, name, url, path)
         problem = _verify(got, src, _sha256_file)
         if problem:
+            got.unlink()  # pooch checked the hash, not the size: nothing unverified stays
             raise ModbenchError(f"downloaded {name} from {url} is corrupt ({problem}); nothing "
                                 f"was saved, retry or place a verified copy at {path}")
-        os.replace(got, path)
+        if got != path:
+            os.replace(got, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        if download != path:
+            download.unlink(missing_ok=True)
         extracted.unlink(missing_ok=True)
     _sha256_cached(path)
     return path
+
+
+class _DownloadBar:
+    """The progress bar pooch drives (it sets ``total``, then calls ``reset``, ``update`` and ``close``),
+    drawn only once a response has come: a download that fails to connect prints its one error line
+    and no empty bar before it."""
+
+    def __init__(self, desc: str) -> None:
+        self.desc, self.bar = desc, None
+
+    def __bool__(self) -> bool:  # pooch tests ``if progressbar``
+        return True
+
+    @property
+    def total(self):
+        return self.bar.total if self.bar is not None else None
+
+    @total.setter
+    def total(self, value) -> None:
+        from modbench.progress import progress_bar
+
+        if self.bar is None:
+            self.bar = progress_bar(desc=self.desc, unit="B", unit_scale=True, total=value)
+        else:
+            self.bar.total = value
+
+    def reset(self) -> None:
+        if self.bar is not None:
+            self.bar.reset(total=self.bar.total)
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+DOWNLOAD_RETRIES = 2  # pooch's retry_if_failed: a dropped connection or a damaged body is fetched again
+
+
+def _download(name: str, url: str, dest: Path, sha256: str | None, final: Path) -> Path:
+    """``url`` downloaded by pooch to ``dest`` (checked against ``sha256`` when given); any failure
+    is a ModbenchError, and pooch leaves no partial file."""
+    import logging
+
+    import pooch
+    import requests
+
+    pooch.get_logger().setLevel(logging.WARNING)  # its retries warn; "Downloading file ..." is our bar's
+    fetcher = pooch.create(path=dest.parent, base_url="", registry={dest.name: f"sha256:{sha256}" if sha256 else None},
+                           urls={dest.name: url}, retry_if_failed=DOWNLOAD_RETRIES)
+    bar = _DownloadBar(f"download {name}")
+    try:
+        return Path(fetcher.fetch(dest.name, downloader=pooch.HTTPDownloader(progressbar=bar, timeout=60)))
+    # requests' errors (refused, timeouts, HTTP 4xx/5xx) are OSErrors; pooch's hash mismatch is a ValueError.
+    except ValueError as exc:
+        if "hash" in str(exc).lower():
+            raise ModbenchError(f"downloaded {name} from {url} is corrupt (its sha256 is not {sha256}); nothing was "
+                                f"saved, retry or place a verified copy at {final}") from None
+        raise ModbenchError(f"could not download {name} from {url} ({_one_line(exc)}); place a copy at {final}") from None
+    except (OSError, requests.RequestException, http.client.HTTPException) as exc:
+        raise ModbenchError(f"could not download {name} from {url} ({_one_line(exc)}); place a copy at {final}") from None
+    finally:
+        bar.close()
 
 
 def _extract(archive: Path, dest: Path, src: Source, name: str, url: str, final: Path) -> Path:

@@ -279,3 +279,24 @@ def test_only_the_worker_that_finishes_the_study_prints_its_per_arm_numbers(tmp_
     assert main(["study", "run", str(path), "--quiet"]) == 0
     final = json.loads(capsys.readouterr().out)
     assert final["finished"] is True and len(final["arms"]) == 2
+
+
+def test_study_run_with_two_workers_prints_one_final_summary(tmp_cwd, capfd):
+    """`make quick` is `study run --workers 2`: the helper worker prints nothing, the command prints
+    one summary once both have stopped, with every trial counted (ran by either worker) and the
+    final per-arm table; a bad --workers is one line with nothing created."""
+    import json
+
+    path = study_file(tmp_cwd, "pair", **{"seeds = [0]": "seeds = [0, 1]", 'budget = "steps=6"': 'budget = "steps=2"'})
+    assert main(["study", "run", str(path), "--workers", "2", "--quiet"]) == 0
+    out, err = capfd.readouterr()
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 1, out  # one JSON summary, not one per worker
+    summary = json.loads(lines[0])
+    assert summary["finished"] is True and summary["trials"] == {"COMPLETE": 4} and summary["ran"] == 4
+    assert len(summary["arms"]) == 2
+    assert "worker 2" not in err  # the helper did not fail
+
+    assert main(["study", "run", str(study_file(tmp_cwd / "bad", "bad")), "--workers", "0"]) == 2
+    assert one_line(capfd.readouterr().err) == "modbench: error: --workers must be >= 1, got 0"
+    assert not (tmp_cwd / "runs" / "studies" / "bad").exists()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 from modbench.cli.common import (DEFAULT_OUT_DIR, add_storage_flag, add_tracking_flag, storage_of, study_command,
@@ -39,11 +40,27 @@ def run(args) -> int:
     uri, storage = tracking_uri_of(args), storage_of(args)
     if args.minutes is not None and not args.minutes > 0:
         raise ModbenchError(f"--minutes must be positive, got {args.minutes:g}")
+    if args.workers < 1:
+        raise ModbenchError(f"--workers must be >= 1, got {args.workers}")
     deadline = time.time() + args.minutes * 60 if args.minutes else None
     offline = Path(args.offline_runs) if args.offline_runs else None
-    outcome = run_study(args.study_file, storage=storage, out_dir=args.out_dir, n_trials=args.n_trials,
-                        progress=not args.quiet, heartbeat=args.heartbeat, grace=args.grace, tracking_uri=uri,
-                        offline_runs=offline, deadline=deadline, amend_claims=args.amend_claims)
+    helpers = HelperWorkers.start(args, uri, storage) if args.workers > 1 else None
+    try:
+        outcome = run_study(args.study_file, storage=storage, out_dir=args.out_dir, n_trials=args.n_trials,
+                            progress=not args.quiet, heartbeat=args.heartbeat, grace=args.grace, tracking_uri=uri,
+                            offline_runs=offline, deadline=deadline, amend_claims=args.amend_claims)
+    except BaseException:
+        if helpers is not None:
+            helpers.stop()  # this worker's error (or Ctrl-C) is the one line; the helpers' would repeat it
+        raise
+    if helpers is not None:
+        ran = helpers.join()  # the study is finished (or left) only when every worker has stopped
+        from dataclasses import replace
+
+        from modbench.study.runner import stage_status, study_counts
+
+        outcome = replace(outcome, ran=outcome.ran + ran, counts=study_counts(outcome.name, outcome.storage),
+                          stages=stage_status(outcome.name, outcome.storage))
     objectives = load_study(args.study_file).settings.objectives
     finished = study_finished(outcome.counts, outcome.stages)
     # Per-arm numbers only from a finished study: a worker that stops while others still run trials
@@ -116,6 +133,91 @@ def import_(args) -> int:
               "routing and decode-cost sections leave those arms out")
     print("report: " + study_command(["report", outcome.study], tracking_uri=uri, storage=None, out_dir=args.out_dir))
     return 0
+
+
+class HelperWorkers:
+    """The extra workers of ``study run --workers N``: N − 1 processes running ``study run --quiet`` on
+    the same study and storage beside this one, so that one command prints one summary, once every
+    worker has stopped (two commands, as ``make quick`` ran, each printed their own).
+
+    Hand-written over ``subprocess`` because no library runs "this CLI again, N times" (Optuna's
+    ``n_jobs`` runs threads in one process: one GIL, and trials that set the global torch seed would
+    share it). The storage and tracking URIs go to the helpers through the environment, not their
+    command lines, where ``ps`` would show a password. Their JSON line is dropped (this worker prints
+    the summary); their stderr goes to a file, and a helper that fails says so in one line at the end."""
+
+    def __init__(self, procs: list[subprocess.Popen], logs: list[Path]) -> None:
+        self.procs, self.logs = procs, logs
+
+    @classmethod
+    def start(cls, args, uri: str, storage: str | None) -> "HelperWorkers":
+        import os
+        import sys
+        import tempfile
+
+        import torch
+
+        from modbench.track.store import STORAGE_ENV
+
+        from modbench.design.study_file import check_arms_train, load_study
+
+        check_arms_train(load_study(args.study_file))  # a refusal: one line from this worker, no helper started
+        threads = max(1, (os.cpu_count() or 1) // args.workers)
+        env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
+        if storage:
+            env[STORAGE_ENV] = storage
+        env.setdefault("OMP_NUM_THREADS", str(threads))
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(threads)  # this worker's share of the cores, as the helpers'
+        command = [sys.executable, "-m", "modbench.cli.main", "study", "run", args.study_file, "--quiet",
+                   "--out-dir", args.out_dir, "--heartbeat", str(args.heartbeat), "--grace", str(args.grace)]
+        for flag, value in (("--n-trials", args.n_trials), ("--minutes", args.minutes), ("--offline-runs", args.offline_runs)):
+            if value is not None:
+                command += [flag, str(value)]
+        if args.amend_claims:
+            command.append("--amend-claims")
+        procs, logs = [], []
+        for _ in range(args.workers - 1):
+            log = Path(tempfile.mkstemp(prefix="modbench-worker-", suffix=".log")[1])
+            with open(log, "wb") as out:
+                procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
+            logs.append(log)
+        return cls(procs, logs)
+
+    def join(self) -> int:
+        """Wait for every helper, say in one line each what a failed one said last; returns how many
+        trials the helpers ran (their JSON lines' ``ran``)."""
+        import sys
+
+        ran = 0
+        for i, (proc, log) in enumerate(zip(self.procs, self.logs), start=2):
+            rc = proc.wait()
+            lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+            log.unlink(missing_ok=True)
+            if rc != 0:
+                print(f"modbench: worker {i} of {len(self.procs) + 1} stopped with exit code {rc}"
+                      + (f": {redact(lines[-1])}" if lines else ""), file=sys.stderr)
+                continue
+            try:
+                ran += int(json.loads(lines[-1])["ran"])
+            except (IndexError, ValueError, KeyError, TypeError):
+                pass  # a worker that printed no summary ran nothing this summary can count
+        return ran
+
+    def stop(self) -> None:
+        """SIGINT every helper (it stops between two steps and queues its trial again), then wait."""
+        import signal
+
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        for proc, log in zip(self.procs, self.logs):
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            log.unlink(missing_ok=True)
 
 
 def compare_hint(study_file: str, uri: str) -> str:
@@ -276,6 +378,9 @@ def add_parser(sub) -> None:
                    "without MLflow); 'modbench study import' brings them into MLflow")
     r.add_argument("--amend-claims", action="store_true", help="accept a study file whose [claims.*] settings differ "
                    "from the ones pre-registered before the first confirmation trial; the report lists the amendment")
+    r.add_argument("--workers", type=int, default=1, help="worker processes on this machine (default 1); the "
+                   "command prints one summary once all have stopped (more workers on other machines: run the "
+                   "command there too, with the same --storage)")
     r.add_argument("--heartbeat", type=int, default=10, help="seconds between trial heartbeats")
     r.add_argument("--grace", type=int, default=30, help="seconds without heartbeat before a trial counts as dead and is retried")
     add_tracking_flag(r)

@@ -4,6 +4,16 @@ One path for every config: ``from_mapping(cls, table, where)`` checks keys again
 dataclass fields and values against their annotated types, and raises a one-line
 ``ModbenchError`` naming where the value came from (file and key), what was wrong and what is
 accepted.
+
+Why not pydantic (installed with MLflow): its ``ValidationError`` lists every failing field over
+several lines in its own vocabulary ("Input should be a valid integer"), while a modbench refusal
+is one line that names the flag or the file and key the value came from and the accepted values
+(the CLI's exit-2 contract, tested in tests/test_cli_errors.py and tests/test_fuzz_cli.py); and the
+configs stay plain frozen dataclasses from which the CLI flags, ``--print-config`` TOML and the
+study files' tables are derived. Translating pydantic's errors into those lines would keep most of
+this module and add a dependency on the validation library MLflow happens to pin. What is hand-
+written here is the small part no library gives in that form: the type check against annotations
+(``coerce``) and the bounds (``bounded``).
 """
 
 from __future__ import annotations

@@ -74,8 +74,13 @@ def rope_tables(max_seq_len: int, head_dim: int, base: float) -> tuple[Tensor, T
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate (x1, x2) halves of each head by the angles of the tokens' positions.
 
-    x: (B, H, T, hd); cos, sin: broadcastable to (B, 1, T, hd / 2).
+    x: (B, H, T, hd); cos, sin: broadcastable to (B, 1, T, hd / 2). The rotation runs in x's dtype
+    (as nanochat's ``apply_rotary_emb`` does): fp32 tables would promote bf16 q and k to fp32 under
+    autocast, and the attention would then cast them back, paying two fp32 copies of q and k forward
+    and backward (issue 38: the dense layer's eager time). In fp32 the ``to`` is a no-op: CPU runs are
+    bit for bit what they were.
     """
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 

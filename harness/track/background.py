@@ -6,7 +6,9 @@ On a short run that fixed cost is the whole logging overhead, and a thread canno
 imports hold the GIL, and on a machine whose cores all train, their CPU time comes out of
 training. A process started when the command starts (:func:`prewarm`, called by ``modbench``
 before it imports torch) does those imports on the core the single-threaded start-up leaves
-idle, so the run pays for little more than pickling its calls.
+idle, so the run pays for little more than pickling its calls. MLflow's own asynchronous logging
+(``synchronous=False``) does not serve: it queues writes to a thread of the same process, which
+hides a write's latency but not the imports, the cost measured here.
 
 :class:`TrackerProcess` is a :class:`~modbench.track.tracking.RunTracker`: the training loop calls
 it as it calls a :class:`~modbench.track.tracking.Tracker`. Each call checks and converts its
