@@ -43,7 +43,8 @@ def test_every_registered_variant_declares_a_valid_policy(name, options):
     assert (r.weight is None) == (mixing.weight == "none"), "a weight exactly when the policy weights"
     assert (r.skip_scale is not None) == (mixing.skip != "keep")  # s of s·x ("scale") or of x + s·local(x) ("local")
     assert (r.base is not None) == mixing.handoff and (r.handoff is not None) == mixing.handoff
-    assert (r.valid is not None) == router.variable_count
+    # a variable count's used slots; a soft gate (tsa) routes every token in training, so none are unused
+    assert (r.valid is not None) == (router.variable_count and not router.soft_gate)
     with torch.no_grad():
         skipped = block.skipped(x)
     assert (skipped is x) == (mixing.skip == "keep")
@@ -123,6 +124,7 @@ CASES = {
     "plain": (Mixing(weight="none"), X + 5 * X, X),  # x + Δ
     "weighted": (Mixing(), X + W * 5 * X, X),  # x + w·Δ
     "mlp": (Mixing(weight="mlp"), X + X + W * 4 * X, X),  # x + attn + w·mlp
+    "sublayers": (Mixing(weight="sublayers"), X + W * X + W * 2 * (X + W * X), X),  # x + w·attn + w·mlp(x + w·attn)
     "output": (Mixing(output=True), X + W * (X + 5 * X), X),  # x + w·(x + Δ)
     "handoff": (Mixing(output=True, handoff=True), BASE + W * (X + 5 * X), X),  # b + w·(x + Δ)
     "skip_scale": (Mixing(skip="scale"), X + W * 5 * X, S * X),  # skipped: s·x
@@ -153,6 +155,7 @@ def test_the_one_path_gives_each_policys_formula(kind, mode):
 def test_the_policys_formula_is_the_documented_one():
     assert {k: m.formula for k, (m, _, _) in CASES.items()} == {
         "plain": ("x + Δ", "x"), "weighted": ("x + w·Δ", "x"), "mlp": ("x + attn + w·mlp", "x"),
+        "sublayers": ("x + w·attn + w·mlp(x + w·attn)", "x"),
         "output": ("x + w·(x + Δ)", "x"), "handoff": ("b + w·(x + Δ)", "x"), "skip_scale": ("x + w·Δ", "s·x")}
 
 
@@ -188,7 +191,7 @@ def test_a_scope_attention_router_with_the_local_skip_gives_dtrnets_formula(mode
         RoutedBlock(cfg, HandRouter(mixing), CapacitySchedule(0.5, max_seq_len=16), LocalBlock(cfg))
 
 
-@pytest.mark.parametrize("kind", ["plain", "weighted", "output", "handoff"])
+@pytest.mark.parametrize("kind", ["plain", "weighted", "sublayers", "output", "handoff"])
 def test_an_unused_slot_adds_nothing_under_every_policy(kind):
     """A variable count: slot 1 (position 2) is unused, so its row is x bit for bit — not x + w·x under a
     weighted output, not the base under a handoff."""
@@ -202,7 +205,7 @@ def test_an_unused_slot_adds_nothing_under_every_policy(kind):
 
 # --- a combination the block cannot apply is refused, with a clear error -----------------------------------
 @pytest.mark.parametrize("fields,message", [
-    ({"weight": "attn"}, "mixing weight must be one of 'block', 'mlp', 'none', got 'attn'"),
+    ({"weight": "attn"}, "mixing weight must be one of 'block', 'mlp', 'none', 'sublayers', got 'attn'"),
     ({"skip": "drop"}, "mixing skip must be one of 'keep', 'scale', 'local', got 'drop'"),
     ({"output": 1}, "mixing output must be True or False"),
     ({"weight": "mlp", "output": True}, "output=True weights the block's output x \\+ Δ: it needs weight='block'"),
@@ -224,6 +227,8 @@ def test_a_policy_the_router_cannot_apply_is_refused_when_its_layer_is_built():
 
     with pytest.raises(ValueError, match="a scope 'mlp' router routes the MLP alone"):
         RoutedBlock(CFG, MlpScope(Mixing(weight="mlp")), CapacitySchedule(0.5))
+    with pytest.raises(ValueError, match="weight='sublayers' weights each sublayer's output inside the block"):
+        RoutedBlock(CFG, MlpScope(Mixing(weight="sublayers")), CapacitySchedule(0.5))
     with pytest.raises(ValueError, match="a variable-count router's skip must be 'keep'"):
         RoutedBlock(CFG, Variable(Mixing(skip="scale")), CapacitySchedule(0.5))
     block = RoutedBlock(CFG, MlpScope(Mixing(weight="none")), CapacitySchedule(0.5))

@@ -70,7 +70,9 @@ def test_processed_count_is_k_and_unselected_tokens_are_bit_identical(name):
     selected = r.processed(T)
     assert torch.equal(out[~selected], skipped[~selected])  # bit-identical, not allclose
     assert torch.equal(changed, selected)  # exactly the processed tokens were written
-    if r.valid is None:
+    if block.router.soft_gate:  # a soft gate (tsa): training runs every token, each update scaled by its weight
+        assert r.valid is None and changed.all()
+    elif r.valid is None:
         assert changed.sum(-1).tolist() == [k] * B  # expert choice: exactly k per sequence
     else:  # a variable count (token choice, threshold): what the rule decided, within the k_max slots
         assert changed.sum(-1).tolist() == r.valid.sum(-1).tolist()
@@ -115,6 +117,10 @@ def test_routed_block_equals_dense_block_on_the_subset_at_original_positions(nam
                 h = sub + block.block.attention(sub, c, s) * r.weight[b][valid[b]]
                 torch.testing.assert_close(out[b, idx].unsqueeze(0), h + block.block.mlp_delta(h), rtol=1e-5, atol=1e-6)
                 continue
+            elif block.mixing.weight == "sublayers":  # x + w·attn + w·mlp(x + w·attn) (TSA), w > 0
+                w = r.weight[b][valid[b]]
+                a = block.block.attention(sub, cos[idx].unsqueeze(0).unsqueeze(0), sin[idx].unsqueeze(0).unsqueeze(0)) * w
+                delta = a + block.block.mlp(block.block.norm2(sub + a)) * w
             elif block.mixing.weight == "mlp" and r.weight is not None:  # x + attn + w·mlp (p-MoD)
                 a = block.block.attention(sub, cos[idx].unsqueeze(0).unsqueeze(0), sin[idx].unsqueeze(0).unsqueeze(0))
                 delta = a + block.block.mlp(block.block.norm2(sub + a)) * r.weight[b][valid[b]]

@@ -22,9 +22,9 @@ from .linear_router import AuxPredictor, LinearScorer  # linear_router imports n
 # What a router gates: the whole block, the MLP alone (attention on every token first), or attention's token
 # mixing alone (the MLP on every token after; DTRNet); "none": nothing (dense).
 Scope = Literal["block", "mlp", "attention", "none"]
-WeightScope = Literal["block", "mlp", "none"]
+WeightScope = Literal["block", "mlp", "none", "sublayers"]
 SkipRule = Literal["keep", "scale", "local"]
-WEIGHT_SCOPES = ("block", "mlp", "none")
+WEIGHT_SCOPES = ("block", "mlp", "none", "sublayers")
 SKIP_RULES = ("keep", "scale", "local")
 
 # Where a part of a variant comes from (``Provenance``).
@@ -118,7 +118,9 @@ class Mixing:
 
     weight:  what w multiplies. "block": Δ, a processed token becomes x + w·Δ (Raposo et al. 2024);
              "mlp": the MLP output alone, x + attn + w·mlp (p-MoD's released code; scope "block"
-             only); "none": nothing, x + Δ (the router gives no weight).
+             only); "none": nothing, x + Δ (the router gives no weight); "sublayers": each sublayer's output
+             in turn, x' = x + w·attn(x), then x' + w·mlp(x') (TSA's gated block update, arXiv:2605.05222
+             eqs. 3–4; scope "block" only).
     output:  w multiplies the block's *output* x + Δ instead of Δ: x + w·(x + Δ) (``mor``'s
              update="output", the Mixture-of-Recursions code's scatter_add of g·block(x)). Needs
              weight "block".
@@ -161,9 +163,10 @@ class Mixing:
     def check(self, scope: str, variable_count: bool) -> Mixing:
         """This policy, for a router of ``scope`` and count kind; a combination the block cannot
         apply is a ValueError (a variant's error, found when its routed layer is built)."""
-        if scope != "block" and self.weight == "mlp":
+        if scope != "block" and self.weight in ("mlp", "sublayers"):
             alone = "the MLP" if scope == "mlp" else "attention's token mixing"
-            raise ValueError(f"mixing weight='mlp' weights the MLP output inside the block: a scope {scope!r} router "
+            inside = "the MLP output" if self.weight == "mlp" else "each sublayer's output"
+            raise ValueError(f"mixing weight={self.weight!r} weights {inside} inside the block: a scope {scope!r} router "
                              f"routes {alone} alone, so its weight is weight='block'")
         if self.skip == "local" and scope != "attention":
             raise ValueError(f"mixing skip='local' gives a skipped token attention with only itself: that replaces "
@@ -179,6 +182,8 @@ class Mixing:
         """(processed, skipped): what a token becomes, in the notation above."""
         if self.weight == "mlp":
             processed = "x + attn + w·mlp"
+        elif self.weight == "sublayers":
+            processed = "x + w·attn + w·mlp(x + w·attn)"
         elif self.weight == "none":
             processed = "x + Δ"
         elif self.output:
@@ -377,6 +382,10 @@ class Router(nn.Module):
     mlp_noop_expert: bool = False
     # True: each token decides for itself, so the processed count varies per sequence (Routing.valid).
     variable_count: ClassVar[bool] = False
+    # True: a soft gate (``tsa``, arXiv:2605.05222): the training forward runs the block on every token and
+    # scales its update by the router's continuous weight, so no token is skipped in training (``route``
+    # gives every position, ``Routing.valid`` None); only the causal rule (decode time) skips tokens.
+    soft_gate: ClassVar[bool] = False
     # Set by evaluation (modbench.model.decode.causal_agreement): with collect_stats, ``route``
     # also returns decide_causal on the same hidden state, to score it against top-k.
     collect_causal: bool = False
@@ -394,9 +403,9 @@ class Router(nn.Module):
     # forward runs it (a variable-count router's k_max slots, what ``FlopCounterMode`` sees).
     count_batched_slots: bool = True
     # How the routed block's output meets the residual stream (``Mixing``): x + w·Δ by default; a router
-    # declares its own, on the class or (when its config decides) in ``__init__``. Weight "mlp" only for a
-    # weight elementwise in the token's own score (the causal paths recompute it from the token's state
-    # inside the block; see ``RoutedBlock.routed_delta``).
+    # declares its own, on the class or (when its config decides) in ``__init__``. Weight "mlp" or "sublayers"
+    # only for a weight elementwise in the token's own score (the causal paths recompute it from the token's
+    # state inside the block; see ``RoutedBlock.routed_delta``).
     mixing: Mixing = Mixing()
     # Why this router cannot decode with the static, sync-free step (``modbench.model.static_decode``),
     # or "" when it can. That step runs the block on every sequence and mixes by the causal decision on

@@ -200,11 +200,11 @@ _OWN_AUX_PREDICTOR = {"linear_softmax": "already decodes with that auxiliary pre
 # trains a second detached predictor that decoding would then never read.
 _AUX_REFUSED_OPTIONS = {"mor": {"sampling": ("aux_router", "'+aux' replaces that detached router; keep sampling='aux_loss'")}}
 _ALIASES: dict[str, VariantSpec] = {}
-_ROUTER_KINDS: dict[str, tuple[str, bool]] = {}
+_ROUTER_KINDS: dict[str, tuple[str, bool, bool]] = {}
 
 
-def _router_kind(spec: VariantSpec) -> tuple[str, bool]:
-    """(scope, variable_count) of a registered variant's routers, as ``VariantSpec.scope`` finds them."""
+def _router_kind(spec: VariantSpec) -> tuple[str, bool, bool]:
+    """(scope, variable_count, soft_gate) of a registered variant's routers, as ``VariantSpec.scope`` finds them."""
     if spec.name not in _ROUTER_KINDS:
         ret = _router_class(spec.builder)
         if ret is None:
@@ -212,7 +212,7 @@ def _router_kind(spec: VariantSpec) -> tuple[str, bool]:
 
             with torch.random.fork_rng(devices=[]):
                 ret = type(spec.build(8))
-        _ROUTER_KINDS[spec.name] = (spec.scope, bool(ret.variable_count))
+        _ROUTER_KINDS[spec.name] = (spec.scope, bool(ret.variable_count), bool(ret.soft_gate))
     return _ROUTER_KINDS[spec.name]
 
 
@@ -220,9 +220,11 @@ def _refusal(name: str) -> str | None:
     """Why the registered variant ``name`` has no "+aux" alias, or None when it has one."""
     if name in _OWN_AUX_PREDICTOR:
         return _OWN_AUX_PREDICTOR[name]
-    scope, variable = _router_kind(_REGISTRY[name])
+    scope, variable, soft = _router_kind(_REGISTRY[name])
     if scope == "none":
         return "routes nothing"
+    if soft:
+        return "is a soft gate (it trains on every token, so top-k membership, what the predictor learns, is every token)"
     if variable:
         return "routes a variable count (each token decides for itself: its causal rule is its training rule)"
     return None

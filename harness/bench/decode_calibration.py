@@ -30,6 +30,8 @@ def cut(router) -> tuple[Tensor, float]:
         return router.aux.net[-1].bias, 1.0
     if hasattr(router, "gate"):  # mode_integrated: best expert's logit − the no-op's > 0
         return router.gate.bias[-1:], -1.0
+    if hasattr(router.scorer, "halting_logit"):  # tsa: process iff the halting logit z ≤ 0, so raising it processes fewer
+        return router.scorer.head.bias, -1.0
     if hasattr(router.scorer, "head"):  # dtrnet: l_attention − l_bypass > 0 (a shared shift of both cancels)
         return router.scorer.head.bias[:1], 1.0
     return router.scorer.proj.bias, 1.0  # a linear logit against a fixed cut (sigmoid, token_choice, …)

@@ -14,9 +14,10 @@ Read top to bottom. Notable features:
   written, so they come out bit-identical. ``mlp_skip`` routes the MLP alone; ``dtrnet`` routes
   attention's token mixing alone (scope "attention": the MLP runs on every token after the mix, and
   the skipped tokens get a token-local update, their attention with themselves alone). How a variant's
-  block output meets the residual stream otherwise (its weight on the MLP alone or on the block's
-  output, a handed-over base, scaled or locally updated skipped tokens) is the router's declared
-  ``Mixing`` policy.
+  block output meets the residual stream otherwise (its weight on the MLP alone, on each sublayer in
+  turn or on the block's output, a handed-over base, scaled or locally updated skipped tokens) is the
+  router's declared ``Mixing`` policy. A soft gate (``tsa``) routes every token in training, each update
+  scaled by its own weight, and skips tokens only by its causal rule.
 - Capacity 1.0 (and the ``dense`` variant) builds plain blocks: no router, no overhead.
 - Three routing modes (``GPT.forward(..., routing_mode=...)``): ``"topk"`` is the training
   rule above (non-causal: whether token t is selected depends on the scores of later
@@ -281,10 +282,16 @@ class Block(nn.Module):
         """attn(norm1(x)) with each token attending to itself alone (``Attention.alone``): a token-local update."""
         return self.attn.alone(self.norm1(x))
 
-    def delta(self, x: Tensor, cos: Tensor, sin: Tensor, mlp_weight: Tensor | None = None, **attention: object) -> Tensor:
-        """attn + mlp, or attn + w·mlp with ``mlp_weight`` w of shape (B, T) (p-MoD's weighting)."""
+    def delta(self, x: Tensor, cos: Tensor, sin: Tensor, mlp_weight: Tensor | None = None,
+              sublayer_weight: Tensor | None = None, **attention: object) -> Tensor:
+        """attn + mlp; attn + w·mlp with ``mlp_weight`` w of shape (B, T) (p-MoD's weighting); or, with
+        ``sublayer_weight`` w (B, T), w·attn + w·mlp(x + w·attn): each sublayer's update gated in turn (TSA's)."""
         a = self.attention(x, cos, sin, **attention)
+        if sublayer_weight is not None:
+            a = a * sublayer_weight.unsqueeze(-1).to(a.dtype)
         m = self.mlp_delta(x + a)
+        if sublayer_weight is not None:
+            m = m * sublayer_weight.unsqueeze(-1).to(m.dtype)
         return a + (m if mlp_weight is None else m * mlp_weight.unsqueeze(-1).to(m.dtype))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -373,16 +380,19 @@ class RoutedBlock(nn.Module):
                      **attention: object) -> Tensor:
         """The routed tokens' delta: the whole block, the MLP alone for scope "mlp", attention alone for
         scope "attention" (its MLP is ``post_route``'s). Under a ``Mixing(weight="mlp")`` (p-MoD) the router's
-        weight multiplies the MLP output here: ``weight`` (B, n, 1) from the top-k routing, else (causal mode,
-        decoding) the token's own ``causal_weight``."""
+        weight multiplies the MLP output here, under ``Mixing(weight="sublayers")`` (TSA) each sublayer's output
+        in turn: ``weight`` (B, n, 1) from the top-k routing, else (causal mode, decoding) the token's own
+        ``causal_weight`` (None: unweighted)."""
         if self.router.scope == "mlp":
             return self.block.mlp_delta(x)
         if self.router.scope == "attention":
             return self.block.attention(x, cos, sin, **attention)
-        if self.mixing.weight != "mlp":
+        if self.mixing.weight not in ("mlp", "sublayers"):
             return self.block.delta(x, cos, sin, **attention)
-        mlp_weight = self.router.causal_weight(x, None) if weight is None else weight.squeeze(-1)
-        return self.block.delta(x, cos, sin, mlp_weight=mlp_weight, **attention)
+        w = self.router.causal_weight(x, None) if weight is None else weight.squeeze(-1)
+        if self.mixing.weight == "mlp":
+            return self.block.delta(x, cos, sin, mlp_weight=w, **attention)
+        return self.block.delta(x, cos, sin, sublayer_weight=w, **attention)
 
     def mix(self, x: Tensor, xs: Tensor, delta: Tensor, weight: Tensor | None, base: Tensor | None = None, *,
             decide: Tensor | None = None, flat: Tensor | None = None, rows: Tensor | None = None,
@@ -391,10 +401,11 @@ class RoutedBlock(nn.Module):
         routed block's output meets it, for the top-k forward, causal mode and KV-cached decoding.
 
         A processed token becomes x + w·Δ, x + Δ (weight "none"), x + attn + w·mlp (weight "mlp": ``w``
-        was applied inside ``delta``), x + w·(x + Δ) (output) or base + w·(x + Δ) (handoff); a skipped one
-        ``skip_value(x)``: x, s·x (skip "scale") or x + s·local(x) (skip "local"). ``x``: (B, T, d) the
-        layer's input; ``xs``: (B, n, d) the input of the n slots ``delta`` was computed for; ``weight``:
-        (B, n, 1) or None (unweighted); ``base``: (B, n, d), with a handoff. Where the slots go: ``decide``
+        was applied inside ``delta``), x + w·attn + w·mlp(x + w·attn) (weight "sublayers": likewise),
+        x + w·(x + Δ) (output) or base + w·(x + Δ) (handoff); a skipped one ``skip_value(x)``: x, s·x (skip
+        "scale") or x + s·local(x) (skip "local"). ``x``: (B, T, d) the layer's input; ``xs``: (B, n, d) the
+        input of the n slots ``delta`` was computed for; ``weight``: (B, n, 1) or None (unweighted);
+        ``base``: (B, n, d), with a handoff. Where the slots go: ``decide``
         ((B, T) bool; causal mode and decoding, every token a slot, ``xs`` is ``x``), or the top-k slots'
         ``rows`` of ``flat``, x's (B·T, d) view, with a variable count's ``valid`` slots (unused ones add
         nothing) and a skip rule's ``scale`` (B, T)."""
