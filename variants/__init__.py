@@ -11,9 +11,11 @@ warm-up, a bias-corrected cutoff EMA), ``pmod`` (p-MoD's TanhNorm and STRing),
 ``mode_staged`` (MoD with a mixture-of-experts MLP), ``mode_integrated`` (a no-op expert among the
 experts), ``amod`` (A-MoD's attention routing), ``dtrnet`` (DTRNet: attention's token mixing routed, a
 token-local update and the MLP for every token), ``tsa`` (Token-Selective Attention: a two-layer MLP halting
-gate, soft on every token in training, a threshold at decode time). Every fixed-count routed variant also answers to
-"<name>+aux" (``decode_aliases``): the same training, decoded by Raposo et al. 2024 (arXiv:2404.02258)
-§3.5's auxiliary predictor. Add your own with ``@register_variant`` (docs/variants.md).
+gate, soft on every token in training, a threshold at decode time), ``null_experts`` (null experts in a
+token-choice mixture: each token runs its top-1 expert MLP unless a null expert wins, balanced over real and
+null experts). Every fixed-count routed variant also answers to "<name>+aux" (``decode_aliases``): the same
+training, decoded by Raposo et al. 2024 (arXiv:2404.02258) §3.5's auxiliary predictor. Add your own with
+``@register_variant`` (docs/variants.md).
 """
 
 from .base import (BudgetController, Mixing, Provenance, QuantileThreshold, Router, Routing, RunningMean, StepMean,
@@ -36,8 +38,8 @@ from .registry import (
 
 # Importing the modules registers the built-in variants.
 from . import (amod, controls, dtrnet, expert_threshold, expert_threshold_released,  # noqa: E402,F401
-               learned_temperature, linear_softmax, mlp_skip, mode, mor, mor_token_choice, nested, norm, pmod, sigmoid,
-               token_choice, tsa)
+               learned_temperature, linear_softmax, mlp_skip, mode, mor, mor_token_choice, nested, norm,
+               null_experts, pmod, sigmoid, token_choice, tsa)
 
 __all__ = [
     "AUX_SUFFIX",

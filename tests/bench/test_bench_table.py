@@ -219,10 +219,8 @@ def test_decode_rows_report_median_speedup_roofline_share_and_both_bars(tmp_path
 # rows from ``make cpu-decode-bench`` on a quiet machine, and then they leave this list (the test below fails
 # on a listed variant that has rows).
 NOT_YET_IN_TABLE = {
-    v: "added in issue 40 while a reference study held both CPU cores of the only machine: no timing there meant "
-       "anything" for v in ("dtrnet", "expert_threshold_released")}
-NOT_YET_IN_TABLE["tsa"] = ("added while a CI run held both CPU cores of the only machine: its row comes with the next "
-                           "table regeneration")
+    v: "registered in issue 40 while other work held both CPU cores of the only machine: no timing there meant "
+       "anything" for v in ("dtrnet", "expert_threshold_released", "tsa", "null_experts")}
 
 
 def test_committed_cpu_decode_table_has_every_variant_at_every_batch():
