@@ -102,7 +102,8 @@ def connect_storage(url: str, **kwargs) -> optuna.storages.RDBStorage:
     """
     try:
         with _sqlite_creation_lock(url), _postgres_creation_lock(url):
-            return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True}, **kwargs)
+            storage = SQLiteStorage if sqlite_db_path(url) else optuna.storages.RDBStorage
+            return storage(url, engine_kwargs={"pool_pre_ping": True}, **kwargs)
     except ModbenchError:
         raise
     except Exception as e:  # sqlalchemy raises many kinds; the user needs the URL and the reason
@@ -156,10 +157,33 @@ def file_lock(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+class SQLiteStorage(optuna.storages.RDBStorage):
+    """Optuna's RDB storage on SQLite, where taking a queued trial is atomic across processes.
+
+    Why: a worker takes a WAITING trial by reading its state and writing RUNNING
+    (``RDBStorage.set_trial_state_values``). PostgreSQL locks the row it read (``SELECT … FOR
+    UPDATE``); SQLite ignores ``FOR UPDATE``, and Python's sqlite3 starts the transaction only at
+    the write, so two workers could both read WAITING and both write RUNNING: both then trained the
+    same (arm, seed), and the second to finish failed with "Cannot tell a COMPLETE trial" (seen in
+    CI with two workers on one loaded machine). Here that read-and-write holds an ``flock`` on a file
+    beside the database, so the second worker reads RUNNING and takes the next trial."""
+
+    def set_trial_state_values(self, trial_id: int, state, values=None) -> bool:
+        if state != optuna.trial.TrialState.RUNNING:
+            return super().set_trial_state_values(trial_id, state, values)
+        with file_lock(take_lock_path(sqlite_db_path(self.url))):
+            return super().set_trial_state_values(trial_id, state, values)
+
+
+def take_lock_path(db: Path) -> Path:
+    """The lock file ``SQLiteStorage`` holds while a worker takes a queued trial."""
+    return db.with_name(db.name + ".take.lock")
+
+
 @contextmanager
 def _sqlite_creation_lock(url: str):
-    db = url.removeprefix("sqlite:///") if url.startswith("sqlite:///") else None
-    if not db or db.startswith(":memory:"):
+    db = sqlite_db_path(url)
+    if db is None:
         yield
         return
     lock_path = Path(db).with_name(Path(db).name + ".lock")
