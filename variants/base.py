@@ -386,6 +386,9 @@ class Router(nn.Module):
     # scales its update by the router's continuous weight, so no token is skipped in training (``route``
     # gives every position, ``Routing.valid`` None); only the causal rule (decode time) skips tokens.
     soft_gate: ClassVar[bool] = False
+    # How many routed layers the model has (``place``, called by ``GPT`` once built): a loss that is a mean
+    # over the routed layers divides by it (dtrnet's L1, tsa's depth loss); 1 for a router built alone.
+    routed_layers: int = 1
     # Set by evaluation (modbench.model.decode.causal_agreement): with collect_stats, ``route``
     # also returns decide_causal on the same hidden state, to score it against top-k.
     collect_causal: bool = False
@@ -464,6 +467,10 @@ class Router(nn.Module):
         those that read the previous layer's attention (``reads_attention``), for which ``previous`` is
         that layer's ``modbench.model.gpt.AttentionSummary``."""
         return self.decide_causal(x)
+
+    def place(self, index: int, count: int) -> None:
+        """Called by ``GPT`` once built: this router is routed layer ``index`` of ``count``."""
+        self.routed_layers = count
 
     def skip_scale_of(self, scores: Tensor) -> Tensor:
         """(B, T) s from this layer's scores: the multiplier on skipped tokens' residual stream under a

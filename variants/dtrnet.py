@@ -104,16 +104,9 @@ class DTRNetRouter(VariableCountRouter):
     scope = "attention"
     mixing = Mixing(skip="local")  # routed: x + p·attn; unrouted: x + (1 − p)·W_O·W_V·norm(x)
 
-    def __init__(self, d_model: int, config: DTRNetConfig) -> None:
-        super().__init__(d_model, config)
-        self.routed_layers = 1  # set by ``place``: the L1 loss is a mean over the routed layers
 
     def make_scorer(self, d_model: int) -> nn.Module:
         return DTRNetScorer(d_model)
-
-    def place(self, index: int, count: int) -> None:
-        """Called by ``GPT`` once built: this is routed layer ``index`` of ``count``."""
-        self.routed_layers = count
 
     # --- the weights: p for the routed tokens, 1 − p for the bypass --------------------------------
     def selected_weight(self, p: Tensor, valid: Tensor) -> Tensor:

@@ -152,6 +152,7 @@ class MorTokenChoiceRouter(VariableCountRouter):
     def place(self, step: int, steps: int) -> None:
         """Called by ``GPT`` once built: this is routed layer ``step`` of ``steps``. Only the first owns a
         router (N outputs); the later ones follow the depth it assigns."""
+        super().place(step, steps)
         self.step_index, self.steps = step, steps
         if self.choices < 2:
             raise ModbenchError(f"mor_token_choice with min_depth = 1 needs at least 2 routed layers, got {steps}: "

@@ -123,16 +123,9 @@ class TSARouter(VariableCountRouter):
     soft_gate = True
     mixing = Mixing(weight="sublayers")  # x + w·attn + w·mlp(x + w·attn), w = 1 − p (eqs. 3–4)
 
-    def __init__(self, d_model: int, config: TSAConfig) -> None:
-        super().__init__(d_model, config)
-        self.routed_layers = 1  # set by ``place``: the depth loss is a mean over the routed layers
 
     def make_scorer(self, d_model: int) -> nn.Module:
         return TSAScorer(d_model)
-
-    def place(self, index: int, count: int) -> None:
-        """Called by ``GPT`` once built: this is routed layer ``index`` of ``count``."""
-        self.routed_layers = count
 
     def halting_probability(self, x: Tensor) -> Tensor:
         """(B, T) p, the paper's halting probability: 1 − ``probability``."""

@@ -643,9 +643,8 @@ class GPT(nn.Module):
                 layer.router.attention_source = True
         self.kv_sources = self._share_kv(cfg, layers)
         routed = [layer.router for layer in layers if isinstance(layer, RoutedBlock)]
-        for j, router in enumerate(routed):  # a router that needs its place learns it (mor_token_choice, dtrnet)
-            if hasattr(router, "place"):
-                router.place(j, len(routed))
+        for j, router in enumerate(routed):  # each router learns its place (mor_token_choice, dtrnet, tsa use it)
+            router.place(j, len(routed))
         self.norm = nn.RMSNorm(cfg.width)
         self.head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg.max_seq_len, cfg.width // cfg.heads, cfg.rope_base)
