@@ -1,5 +1,6 @@
 """Optuna used the way its users expect: learning curves, and constants kept out of the space."""
 
+import warnings
 from pathlib import Path
 
 import optuna
@@ -65,3 +66,34 @@ def test_taking_a_queued_trial_on_sqlite_holds_a_lock_across_processes(tmp_path,
     assert trial.user_attrs["arm"] == "dense"  # the queued trial was taken
     study.tell(trial, 1.0)
     assert seen == [(TrialState.RUNNING, "held"), (TrialState.COMPLETE, "free")]
+
+
+def test_grid_trials_carry_their_arm_as_params_and_an_added_arm_still_runs(tmp_cwd):
+    """optuna-dashboard's slice, contour and importance pages read params: a grid trial's arm must be
+    there (the axes that vary, dense without a capacity), equal to the arm it ran; an arm added to the
+    file after creation, with a choice the categorical did not have, still runs (left out of the params)."""
+    text = SMOKE.replace('name = "smoke"', 'name = "grid_params"').replace("seeds = [0, 1]", "seeds = [0]")
+    text = text.replace("capacity = [0.25]", "capacity = [0.25, 0.5]")
+    path = tmp_cwd / "grid_params.toml"
+    path.write_text(text)
+    assert main(["study", "run", str(path), "--quiet"]) == 0
+    storage = f"sqlite:///{tmp_cwd}/runs/studies/grid_params/optuna.db"
+    study = optuna.load_study(study_name="grid_params", storage=storage)
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(done) == 3  # dense (one arm: it has no capacity), sigmoid at 0.25 and 0.5
+    for t in done:
+        arm = t.user_attrs["arm_params"]
+        assert t.params["variant"] == arm["variant"]
+        assert t.params.get("capacity") == arm.get("capacity")  # dense: absent on both sides
+        assert "pattern" not in t.params  # one value in the whole study: no parameter
+    assert sorted(t.params.get("capacity", 0) for t in done) == [0, 0.25, 0.5]
+    with warnings.catch_warnings():  # "less than 2 trials" per regime: one seed in a test
+        warnings.simplefilter("ignore", UserWarning)
+        assert set(optuna.importance.get_param_importances(study)) == {"variant", "capacity"}  # the importance page
+
+    path.write_text(text.replace('variant = ["dense", "sigmoid"]', 'variant = ["dense", "sigmoid", "random"]'))
+    assert main(["study", "run", str(path), "--quiet"]) == 0
+    study = optuna.load_study(study_name="grid_params", storage=storage)
+    added = [t for t in study.trials if t.user_attrs["arm_params"]["variant"] == "random"]
+    assert len(added) == 2 and all(t.state == optuna.trial.TrialState.COMPLETE for t in added)
+    assert all("variant" not in t.params and t.params["capacity"] in (0.25, 0.5) for t in added)

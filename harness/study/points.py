@@ -1,18 +1,23 @@
 """A study's points: which (arm, seed) a trial is, and what every trial of a study shares.
 
-A grid point is stored as trial user attributes (``grid_attrs``), not as Optuna params: params
-would fix the study's search space at creation, so an arm added to the study file later could
-not be queued. Sampled studies (TPE, NSGA-II) suggest their arms as params (``suggest_arm``).
+A grid point is stored as trial user attributes (``grid_attrs``): those say which arm a trial runs.
+Queued params would fix the study's search space at creation, so an arm added to the study file
+later could not be queued. Its arm is also written as Optuna params once the trial starts
+(``record_grid_params``), for optuna-dashboard's slice, contour and importance pages, which read
+params: distributions fixed per axis (``NUMERIC_PARAMS``) or at creation (``grid_params``), and a
+value outside them left out, so no edit of the file can make a trial fail. Sampled studies (TPE,
+NSGA-II) suggest their arms as params (``suggest_arm``).
 A study file may add arms and seeds to a study; the settings every trial shares
 (``fixed_settings``) may not change.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any
 
 import optuna
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
 from modbench.config.run import RunConfig
 from modbench.design.arm import DENSE_IGNORES, SAMPLED_KEYS, Arm, Range
@@ -110,6 +115,57 @@ def grid_attrs(arm: Arm, seed: int, label: str, stage: str = "") -> dict[str, An
     file later could not be queued (Optuna refuses new categorical choices). ``stage``: the
     tuning stage that queued it (``modbench.study.tuning``), for studies with [tune]."""
     return {"seed": seed, "arm": label, "arm_params": arm.params(), **({"stage": stage} if stage else {})}
+
+
+GRID_PARAMS_ATTR = "grid_params"  # study user attr: the axes a grid study's trials carry as params (``grid_params``)
+# A numeric axis's distribution as a grid trial's param: one range per axis whatever the study, so that every
+# trial of a study, arms added to the file later included, has the same distribution (Optuna refuses another).
+NUMERIC_PARAMS = {"capacity": FloatDistribution(0.0, 1.0), "capacity_first": FloatDistribution(0.0, 1.0),
+                  "lr_mult": FloatDistribution(2.0**-12, 2.0**12, log=True), "depth": IntDistribution(1, 1024),
+                  "width": IntDistribution(0, 1 << 20), "recursions": IntDistribution(1, 1024),
+                  "mlp_ratio": IntDistribution(0, 1024)}
+
+
+def grid_params(study: StudySpec) -> dict[str, list[str] | None]:
+    """The axes a grid study's trials carry as Optuna params: those whose stored value differs between
+    its arms (a constant draws blank slice and contour plots), and ``lr_mult`` under [tune] (the stages
+    vary it). A string axis maps to its choices, fixed here, at the study's creation (a categorical
+    distribution cannot grow); a numeric one to None (its ``NUMERIC_PARAMS`` range)."""
+    stored = [arm.params() for arm in study_arms(study)]
+    axes: dict[str, list[str] | None] = {}
+    for name in (f.name for f in fields(Arm)):
+        values = {repr(p[name]) for p in stored if name in p}  # among the arms that store it (dense stores no capacity)
+        if len(values) < 2 and not (name == "lr_mult" and study.tune.lr_mult):
+            continue
+        if name in NUMERIC_PARAMS:
+            axes[name] = None
+        else:
+            axes[name] = sorted({str(p[name]) for p in stored if name in p})
+    return axes
+
+
+def record_grid_params(trial: optuna.Trial, arm: Arm, axes: dict[str, list[str] | None]) -> None:
+    """The grid trial's arm as Optuna params, for display (the arm it runs is its user attributes): each
+    axis of ``axes`` that the arm stores, written to the storage directly (the value is the grid's, no
+    sampler's). A value outside its distribution (an arm the file gained after the study's creation)
+    is left out, as is anything Optuna refuses."""
+    stored = arm.params()
+    for name, choices in axes.items():
+        if name not in stored:
+            continue  # an axis this arm ignores (dense has no capacity): a conditional parameter
+        value = stored[name] if choices is None else str(stored[name])
+        if choices is None:
+            dist = NUMERIC_PARAMS[name]
+            if not dist.low <= value <= dist.high:
+                continue
+        elif value in choices:
+            dist = CategoricalDistribution(choices)
+        else:
+            continue
+        try:
+            trial.storage.set_trial_param(trial._trial_id, name, dist.to_internal_repr(value), dist)
+        except ValueError:  # a distribution an older modbench recorded differently: display only, so skip it
+            continue
 
 
 def point_attrs(user_attrs: dict[str, Any]) -> dict[str, Any]:

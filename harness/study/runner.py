@@ -48,8 +48,8 @@ from modbench.design.arm import Arm
 from modbench.design.study_file import StudySpec, check_arms_train, load_study
 from modbench.design.controls import study_arms
 from modbench.study.points import (
-    FIXED_ATTR, arm_of, check_preregistration, preregister, fixed_settings, grid_attrs, point_attrs, queue_new_grid_points,
-    refuse_changed_fixed_settings, suggest_arm,
+    FIXED_ATTR, GRID_PARAMS_ATTR, arm_of, check_preregistration, preregister, fixed_settings, grid_attrs, grid_params,
+    point_attrs, queue_new_grid_points, record_grid_params, refuse_changed_fixed_settings, suggest_arm,
 )
 from modbench.study import tuning
 from modbench.track.checkpoint import check_writable
@@ -303,10 +303,21 @@ class Runner:
             f"({first}) and this file differs from it: rename study.name in {Path(self.study.path).name} to start a new "
             f"study, or run {first} to resume that one")
 
+    def _grid_params(self) -> dict[str, list[str] | None]:
+        """The axes this grid study's trials carry as params (``grid_params``), fixed when the study was
+        created; a study created before modbench recorded them fixes them now, from this file."""
+        axes = self.optuna.user_attrs.get(GRID_PARAMS_ATTR)
+        if axes is None:
+            axes = grid_params(self.study)
+            self.optuna.set_user_attr(GRID_PARAMS_ATTR, axes)
+        return axes
+
     def _initialise(self, study: optuna.Study) -> None:
         """The creating worker's part: attributes, the MLflow parent run, the whole grid queued."""
         s = self.study
         study.set_user_attr("study_file_sha256", s.file_sha256)
+        if s.settings.sampler == "grid":
+            study.set_user_attr(GRID_PARAMS_ATTR, grid_params(s))
         self._record_file(study)
         study.set_user_attr("objectives", s.settings.objectives)
         study.set_user_attr(FIXED_ATTR, fixed_settings(s))
@@ -354,6 +365,7 @@ class Runner:
                 self.optuna.enqueue_trial(trial.params, user_attrs={"seed": other, "arm": s.label(arm)})
         else:
             arm = arm_of(trial, s)
+            record_grid_params(trial, arm, self._grid_params())
         cfg = s.run_config(arm, seed, out_dir=str(study_dir(s, self.out_dir) / "trials"), run_name=f"trial-{trial.number}",
                            experiment=s.name, track=True)  # tracked, through the tracker passed to train
         # modbench.role: "trial" here, "study" on the parent run: the chart filter (docs/studies.md) keeps the
