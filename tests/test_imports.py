@@ -26,7 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "interrupts": set(),
     "results": {"errors"},
     "variants": {"errors"},
-    "data": {"errors"},
+    "data": {"errors", "progress"},  # a download's progress bar
     "config": {"errors", "results", "variants", "data"},
     "model": {"errors", "config", "variants"},
     "track": {"errors", "results", "config"},

@@ -43,15 +43,16 @@ _CONTROL_GREYS = {"random": "0.45", "random_gated": "0.6", "random_mlp": "0.75"}
 
 
 def _learned_palette() -> list:
-    """18 distinct colours, none grey (grey is the controls'): tab10 without its grey, then tab20's
-    light shades without theirs."""
-    tab10, tab20 = matplotlib.colormaps["tab10"], matplotlib.colormaps["tab20"]
-    return [tab10(i) for i in range(10) if i != 7] + [tab20(i) for i in range(1, 20, 2) if i != 15]
+    """23 distinct colours, none grey (grey is the controls'): tab10 without its grey, then tab20's
+    light shades without theirs, then the darkest shade of each of tab20b's five hues."""
+    tab10, tab20, tab20b = (matplotlib.colormaps[name] for name in ("tab10", "tab20", "tab20b"))
+    return ([tab10(i) for i in range(10) if i != 7] + [tab20(i) for i in range(1, 20, 2) if i != 15]
+            + [tab20b(i) for i in range(0, 20, 4)])
 
 
 def variant_colors(variants: list[str]) -> dict[str, object]:
     """Stable colours: dense black, controls grey, learned variants from a grey-free palette in name
-    order (distinct up to 18 learned variants in one figure)."""
+    order (distinct up to 23 learned variants in one figure)."""
     palette = _learned_palette()
     learned = sorted(v for v in set(variants) if v != DENSE and v not in _CONTROL_GREYS)
     colors: dict[str, object] = {v: palette[i % len(palette)] for i, v in enumerate(learned)}
