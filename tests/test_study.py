@@ -413,3 +413,42 @@ def test_a_study_stopped_early_has_every_arm_at_the_same_seeds(tmp_cwd):
     df = trials_frame("order", sqlite_url(tmp_cwd, "order"))
     done = df[df.state == "COMPLETE"]
     assert sorted(done.arm) == ["dense", "sigmoid C=0.25 alternate"] and set(done.seed) == {0}
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_worker_of_study_run_workers_and_loses_nothing(tmp_path):
+    """`study run --workers 2` (make quick): Ctrl-C reaches the command's own worker, which passes
+    one SIGINT to its helper; both stop between two steps, queue their trials again (a re-run then
+    completes them: test_interrupted_trial_is_requeued_and_a_rerun_completes_the_grid), exit with the
+    one interrupted line (130), and leave no helper running."""
+    name = "int_workers"
+    path = smoke_variant(tmp_path, name, steps=2000, seeds=(0,))
+    storage = sqlite_url(tmp_path, name)
+    worker = cli("study", "run", str(path), "--workers", "2", "--heartbeat", "1", cwd=tmp_path, wait=False)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:  # the event: both trials RUNNING with their MLflow runs open
+            try:
+                df = trials_frame(name, storage)
+                running = df[df.state == "RUNNING"]
+                if len(running) == 2 and running.mlflow_run_id.map(lambda r: isinstance(r, str)).all():
+                    break
+            except ModbenchError:
+                pass
+            time.sleep(0.3)
+        else:
+            pytest.fail("the two workers never ran a trial each")
+        worker.send_signal(signal.SIGINT)
+        out, _ = worker.communicate(timeout=180)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    assert worker.returncode == 130, out
+    lines = [line for line in out.splitlines() if line.strip() and "it/s" not in line and "trial/s" not in line]
+    assert lines[-1].startswith("modbench: error: interrupted") and "Traceback" not in out
+    after = trials_frame(name, storage)
+    assert (after.state == "WAITING").sum() == 2 and (after.state == "RUNNING").sum() == 0  # both queued again
+    import psutil
+
+    left = [p for p in psutil.process_iter(["cmdline"]) if str(path) in " ".join(p.info["cmdline"] or [])]
+    assert not left, "a helper worker outlived the command"

@@ -180,7 +180,10 @@ class HelperWorkers:
         for _ in range(args.workers - 1):
             log = Path(tempfile.mkstemp(prefix="modbench-worker-", suffix=".log")[1])
             with open(log, "wb") as out:
-                procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env))
+                # Its own session: a Ctrl-C at the terminal reaches this worker alone, which passes on exactly
+                # one SIGINT (``stop``); a second would stop a helper at once instead of between two steps.
+                procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                              start_new_session=True))
             logs.append(log)
         return cls(procs, logs)
 
