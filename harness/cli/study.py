@@ -54,7 +54,8 @@ def run(args) -> int:
             helpers.stop()  # this worker's error (or Ctrl-C) is the one line; the helpers' would repeat it
         raise
     if helpers is not None:
-        ran = helpers.join()  # the study is finished (or left) only when every worker has stopped
+        # The study is finished (or left) only when every worker has stopped.
+        ran = helpers.join(quiet=args.quiet or args.json)
         from dataclasses import replace
 
         from modbench.study.runner import stage_status, study_counts
@@ -187,11 +188,16 @@ class HelperWorkers:
             logs.append(log)
         return cls(procs, logs)
 
-    def join(self) -> int:
+    def join(self, quiet: bool = False) -> int:
         """Wait for every helper, say in one line each what a failed one said last; returns how many
-        trials the helpers ran (their JSON lines' ``ran``)."""
+        trials the helpers ran (their JSON lines' ``ran``). Unless ``quiet``, a line says when this
+        worker has finished and waits for others still in a trial (its bar stops at what it last saw)."""
         import sys
 
+        busy = sum(proc.poll() is None for proc in self.procs)
+        if busy and not quiet:
+            print(f"modbench: this worker is done; waiting for {busy} other worker(s) to finish their trials",
+                  file=sys.stderr, flush=True)
         ran = 0
         for i, (proc, log) in enumerate(zip(self.procs, self.logs), start=2):
             rc = proc.wait()
