@@ -110,21 +110,21 @@ def test_status_command_json(tmp_cwd, capsys):
     assert out["trials"] == {"COMPLETE": 1, "WAITING": 3}
 
 
-def running_trial(name: str, storage: str, *, completed: int, timeout_s: float = 300):
-    """Wait for an event, never a fixed time: ``completed`` trials done and one RUNNING trial
-    that has opened its MLflow run (so Optuna has recorded its first heartbeat). Returns it."""
+def running_trial(name: str, storage: str, *, completed: int, running: int = 1, timeout_s: float = 300):
+    """Wait for an event, never a fixed time: ``completed`` trials done and ``running`` RUNNING trials
+    that have opened their MLflow runs (so Optuna has recorded their first heartbeat). Returns the first."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         try:
             df = trials_frame(name, storage)
-            running = df[df.state == "RUNNING"]
-            if (df.state == "COMPLETE").sum() == completed and len(running) == 1 \
-                    and isinstance(running.iloc[0].mlflow_run_id, str):
-                return running.iloc[0]
+            now = df[df.state == "RUNNING"]
+            if (df.state == "COMPLETE").sum() == completed and len(now) == running \
+                    and now.mlflow_run_id.map(lambda r: isinstance(r, str)).all():
+                return now.iloc[0]
         except ModbenchError:
             pass
         time.sleep(0.3)
-    pytest.fail(f"no running trial after {completed} completed ones within {timeout_s:g} s")
+    pytest.fail(f"no {running} running trial(s) after {completed} completed ones within {timeout_s:g} s")
 
 
 def storages(tmp: Path, name: str):
@@ -426,18 +426,7 @@ def test_ctrl_c_stops_every_worker_of_study_run_workers_and_loses_nothing(tmp_pa
     storage = sqlite_url(tmp_path, name)
     worker = cli("study", "run", str(path), "--workers", "2", "--heartbeat", "1", cwd=tmp_path, wait=False)
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline:  # the event: both trials RUNNING with their MLflow runs open
-            try:
-                df = trials_frame(name, storage)
-                running = df[df.state == "RUNNING"]
-                if len(running) == 2 and running.mlflow_run_id.map(lambda r: isinstance(r, str)).all():
-                    break
-            except ModbenchError:
-                pass
-            time.sleep(0.3)
-        else:
-            pytest.fail("the two workers never ran a trial each")
+        running_trial(name, storage, completed=0, running=2)  # the event: both workers in a trial
         worker.send_signal(signal.SIGINT)
         out, _ = worker.communicate(timeout=180)
     finally:

@@ -56,17 +56,19 @@ def run(args) -> int:
     if helpers is not None:
         # The study is finished (or left) only when every worker has stopped.
         ran = helpers.join(quiet=args.quiet or args.json)
+    frame = trials_frame(outcome.name, outcome.storage)
+    if helpers is not None:  # the counts as the study stands now, every worker's trials in
         from dataclasses import replace
 
-        from modbench.study.runner import stage_status, study_counts
+        from modbench.study.runner import stage_status
 
-        outcome = replace(outcome, ran=outcome.ran + ran, counts=study_counts(outcome.name, outcome.storage),
-                          stages=stage_status(outcome.name, outcome.storage))
+        counts = {str(k): int(v) for k, v in frame["state"].value_counts().items()} if len(frame) else {}
+        outcome = replace(outcome, ran=outcome.ran + ran, counts=counts, stages=stage_status(outcome.name, outcome.storage))
     objectives = load_study(args.study_file).settings.objectives
     finished = study_finished(outcome.counts, outcome.stages)
     # Per-arm numbers only from a finished study: a worker that stops while others still run trials
     # would print a table taken mid-study, contradicting the last worker's (make quick runs two).
-    arms = arm_summary(trials_frame(outcome.name, outcome.storage), objectives) if finished else None
+    arms = arm_summary(frame, objectives) if finished else None
     report = study_command(["report", args.study_file], tracking_uri=uri, storage=storage, out_dir=args.out_dir)
     summary = {"study": outcome.name, "storage": redact(outcome.storage), "ran": outcome.ran, "trials": outcome.counts,
                "finished": finished, "arms": [] if arms is None else arms.to_dict(orient="records"),

@@ -500,7 +500,12 @@ class Runner:
 
     # --- the worker loop ----------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
-        return trial_state_counts(self.optuna)
+        out: dict[str, int] = {}
+        for t in self.optuna.get_trials(deepcopy=False):
+            if t.user_attrs.get("surplus") or t.user_attrs.get("requeued"):
+                continue
+            out[t.state.name] = out.get(t.state.name, 0) + 1
+        return out
 
     def expected_total(self) -> int:
         """Trials planned: the whole grid, the sampled arms × seeds, or (with [tune]) the trials
@@ -667,27 +672,6 @@ def _stage_summary(attrs: dict[str, Any]) -> dict[str, Any] | None:
         return None
     return {"stages": [{"stage": h["stage"], "queued": h["queued"]} for h in attrs[STAGES_ATTR]],
             "complete": bool(attrs.get(STAGES_DONE_ATTR))}
-
-
-def trial_state_counts(study: optuna.Study) -> dict[str, int]:
-    """Trials by state, leaving out the surplus and re-queued copies (a lost or interrupted trial's
-    first attempt): what a study's summary and its parent run count."""
-    out: dict[str, int] = {}
-    for t in study.get_trials(deepcopy=False):
-        if t.user_attrs.get("surplus") or t.user_attrs.get("requeued"):
-            continue
-        out[t.state.name] = out.get(t.state.name, 0) + 1
-    return out
-
-
-def study_counts(name: str, url: str) -> dict[str, int]:
-    """``trial_state_counts`` of the study ``name`` in the storage at ``url``, read now (after
-    other workers have run)."""
-    rdb = connect_storage(url)
-    try:
-        return trial_state_counts(optuna.load_study(study_name=name, storage=rdb))
-    finally:
-        rdb.engine.dispose()
 
 
 def stage_status(name: str, url: str) -> dict[str, Any] | None:
