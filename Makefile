@@ -52,6 +52,12 @@ cpu-decode-bench: $(STAMP)
 	  reports/bench/cpu_decode-B64.json --write-json reports/bench/cpu_decode.json --markdown reports/bench/cpu_decode.md
 	rm -f reports/bench/cpu_decode-B*.json
 
+# Every decoder of generate side by side at that shape on this CPU, masked and under torch.cond (issue 38):
+# dense and sigmoid fixed:1,1 C = 0.125, batch 1, 8, 64 → reports/bench/decode-static-cpu.md and .json.
+.PHONY: cpu-decode-static
+cpu-decode-static: $(STAMP)
+	$(BIN)/python -m modbench.bench.gpu_decode --cpu --out reports/bench
+
 # The GPU measurements (bf16, torch.compile, synchronised timing) on a machine with CUDA and no
 # network: its own python3 (GPU_PYTHON) holds a CUDA torch, pytest, pytest-benchmark, pandas,
 # tabulate and rich, and neither MLflow nor Optuna (the benchmarks import neither), so no venv is
@@ -175,12 +181,18 @@ gpu-smoke: gpu-bench-setup
 clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks
 
-# The static decode step on a lent GPU (issue 38): dense and sigmoid fixed:1,1 C = 0.125 at batch 1, 8 and 64, the
-# old decoder against the static step (eager, CUDA graph, compiled), one process → $(or $(OUT),reports/bench)/
+# The static decode step on a lent GPU (issue 38): first the CUDA-only exactness tests of tests/test_static_decode.py
+# (the CUDA graph and its conditional nodes against the eager step; their log → decode-cuda-tests.txt, a failure
+# does not stop the bench), then dense and sigmoid fixed:1,1 C = 0.125 at batch 1, 8 and 64, the old decoder against
+# the static step (eager, CUDA graph, compiled; masked and under torch.cond), one process → $(or $(OUT),reports/bench)/
 # decode-static-<gpu>.md and .json (modbench.bench.gpu_decode; --dry-run is its CPU check, tests/bench/test_gpu_decode.py).
+# STEPS=dynamic,static,static-cond,graph,graph-cond skips the compiled cells (each compiles the whole 12-layer step).
 .PHONY: gpu-decode-bench
 gpu-decode-bench: gpu-pkg
-	$(GPU_RUN) -m modbench.bench.gpu_decode --out $(or $(OUT),reports/bench)
+	mkdir -p $(or $(OUT),reports/bench)
+	-$(GPU_RUN) -m pytest -q -p no:cacheprovider tests/test_static_decode.py -k cuda \
+	  > $(or $(OUT),reports/bench)/decode-cuda-tests.txt 2>&1; tail -n 3 $(or $(OUT),reports/bench)/decode-cuda-tests.txt
+	$(GPU_RUN) -m modbench.bench.gpu_decode --out $(or $(OUT),reports/bench) $(if $(STEPS),--steps $(STEPS))
 
 # Where the dense layer's eager time goes (issue 38 item 3): nanoGPT's block shape with modbench's norm and RoPE
 # added one at a time, then modbench's DenseLayer, interleaved, profiled per category →

@@ -7,6 +7,10 @@ Swept over every registered variant and every "+aux" decode rule (as tests/test_
   dynamic decoder (same tokens, shares and KV bytes);
 - a skipped token writes no K/V: its cache slot stays untouched (zero) and invalid, and the valid
   slots are exactly the tokens the causal pass processed;
+- the "-cond" steps (``StaticDecoder(cond=True)``: a routed layer no sequence routes to runs its skip
+  path alone, ``torch.cond``) give the masked step's logits and cache bit for bit, eager and compiled
+  (one fullgraph graph whose ``cond`` branches hold no host-syncing op), and such a layer runs none of
+  its block's matmuls (counted by torch.profiler) while the masked step runs them all;
 - no host sync: a decode step calls none of the host-reading tensor methods, and it compiles with
   ``torch.compile(fullgraph=True)`` into one graph with no host-syncing op, reused at every step (a
   graph break, a host read or a data-dependent shape would fail it). Backend "eager": Dynamo's
@@ -123,6 +127,59 @@ def test_skipped_tokens_write_no_kv(name):
         assert 0 < sum(int(c.valid.sum()) for c in routed) < 3 * 20 * len(routed)  # some skipped, some not
 
 
+# --- the "-cond" steps: skip a layer no sequence routes to ---------------------------------------------
+def _fed(dec: StaticDecoder, idx: torch.Tensor, prompt_len: int = 4) -> list[torch.Tensor]:
+    """Feed a prompt, then one token at a time; every call's logits."""
+    with torch.no_grad():
+        return [dec(idx[:, :prompt_len])] + [dec(idx[:, t : t + 1]) for t in range(prompt_len, idx.shape[1])]
+
+
+@pytest.mark.parametrize("name", [v for v in ROUTED if v in SYNC_FREE])
+def test_the_cond_step_equals_the_masked_step_bit_for_bit(name):
+    """At batch 1 most steps leave some routed layer with no processed token (the skip branch), at batch
+    3 fewer: logits, counts and every cache tensor are the masked step's exactly, so ``cond`` changes
+    speed and never numbers."""
+    m = model(name)
+    for batch in (1, 3):
+        idx = torch.randint(0, 256, (batch, 16), generator=torch.Generator().manual_seed(4))
+        masked, cond = StaticDecoder(m, batch, 16), StaticDecoder(m, batch, 16, cond=True)
+        for a, b in zip(_fed(masked, idx), _fed(cond, idx)):
+            assert torch.equal(a, b)
+        assert all(torch.equal(a, b) for a, b in zip(masked.state(), cond.state()))
+        assert cond.step_name == "static-cond" and masked.step_name == "static"
+
+
+def _matmuls(call) -> int:
+    """Matrix products the call ran (torch.profiler's aten events; a linear counts once)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        call()
+    return sum(e.count for e in prof.key_averages() if e.key in ("aten::linear", "aten::matmul", "aten::bmm"))
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "mlp_skip", "token_choice", "dtrnet"])
+def test_a_layer_no_sequence_routes_to_runs_none_of_its_block_under_cond(name):
+    """Batch 1: each step's matmul count is the masked step's less a fixed number per routed layer that
+    skips the token, so a skipped layer reads none of its routed weights (the roofline's saving); the
+    masked step runs every layer's block whatever the decisions."""
+    m = model(name, ModelConfig(depth=4, n_embd=32, head_dim=8, max_seq_len=T), pattern="MDMM")
+    idx = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(5))
+    masked, cond = StaticDecoder(m, 1, 20), StaticDecoder(m, 1, 20, cond=True)
+    with torch.no_grad():
+        masked(idx[:, :4]), cond(idx[:, :4])
+        cond(idx[:, 4:5]), masked(idx[:, 4:5])  # (the first torch.cond call traces its branches)
+        counts = []
+        for t in range(5, 20):
+            before = cond.processed.clone()
+            n_cond = _matmuls(lambda: cond(idx[:, t : t + 1]))
+            n_masked = _matmuls(lambda: masked(idx[:, t : t + 1]))
+            idle = int((cond.processed == before).sum())  # routed layers that processed nothing this step
+            counts.append((idle, n_masked - n_cond))
+    saved = {idle: diff for idle, diff in counts}
+    assert len(saved) >= 2, f"the steps should differ in how many layers skip: {counts}"
+    per_layer = saved[max(saved)] // max(saved)
+    assert per_layer > 0 and all(diff == idle * per_layer for idle, diff in counts), counts
+
+
 @pytest.mark.parametrize("name", ["sigmoid", "mlp_skip", "amod"])
 def test_dense_mode_and_chunked_feeding(name):
     m = model(name)
@@ -203,30 +260,36 @@ def _recording(graphs: list):
     return record
 
 
-def _compiled_generation(m: GPT, batch: int, graphs: list):
+def _compiled_generation(m: GPT, batch: int, graphs: list, cond: bool = False):
     torch._dynamo.reset()
-    dec = StaticDecoder(m, batch, 16, runner="compile")
+    dec = StaticDecoder(m, batch, 16, runner="compile", cond=cond)
     dec.compile_backend = _recording(graphs)  # Dynamo with fullgraph=True, then the graph run eagerly
     return generate(m, prompt(batch), 12, temperature=0, return_logits=True, decoder=dec)
 
 
-def assert_compiles_sync_free(m: GPT, batch: int = 3) -> None:
+def assert_compiles_sync_free(m: GPT, batch: int = 3, cond: bool = False) -> None:
     """fullgraph=True raises on any graph break (a branch on a tensor, a data-dependent shape, a host
-    read Dynamo will not trace); the one graph must hold no host-syncing op (a traced ``.item()``), and
-    it must serve all 11 one-token steps (no recompile: what a CUDA graph replay needs); its logits
-    are the causal pass's."""
+    read Dynamo will not trace); the one graph, and under ``cond`` each branch's subgraph, must hold no
+    host-syncing op (a traced ``.item()``), and it must serve all 11 one-token steps (no recompile: what
+    a CUDA graph replay needs); its logits are the causal pass's."""
     graphs: list = []
-    out = _compiled_generation(m, batch, graphs)
-    assert out.step == "compile" and len(graphs) == 1
-    names = [str(n.target) for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")]
+    out = _compiled_generation(m, batch, graphs, cond)
+    assert out.step == ("compile-cond" if cond else "compile") and len(graphs) == 1
+    subgraphs = [g.graph for g in graphs[0].modules() if isinstance(g, torch.fx.GraphModule)]
+    calls = [n for g in subgraphs for n in g.nodes if n.op in ("call_function", "call_method")]
+    names = [str(n.target) for n in calls]
     syncing = [n for n in names if any(n == s or n.endswith(f".{s}") or f" {s}" in n for s in SYNCING)]
     assert syncing == [], f"host-syncing ops in the compiled step: {syncing}"
+    conds = sum(n.target is torch.ops.higher_order.cond for n in calls)
+    routed = sum(isinstance(layer, RoutedBlock) and not layer.block.attn.expose for layer in m.layers)
+    assert conds == (routed if cond else 0)  # one torch.cond per routed layer, traced (not a graph break)
     torch.testing.assert_close(out.logits, m(out.tokens[:, :-1], routing_mode="causal").logits, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", SYNC_FREE)
-def test_the_decode_step_compiles_to_one_graph_without_host_syncs(name):
-    assert_compiles_sync_free(model(name))
+@pytest.mark.parametrize("cond", [False, True], ids=["masked", "cond"])
+def test_the_decode_step_compiles_to_one_graph_without_host_syncs(name, cond):
+    assert_compiles_sync_free(model(name), cond=cond)
 
 
 @pytest.mark.parametrize("host_read", ["branch", "item"])
@@ -275,6 +338,9 @@ def test_step_choice_on_cpu():
         generate(m, prompt(1), 3, step="fast")
     with pytest.raises(ModbenchError, match="captures a CUDA graph"):
         StaticDecoder(m, 1, 8, runner="graph")
+    with pytest.raises(ModbenchError, match="'graph-cond' replays a CUDA graph.*expected 'auto', 'dynamic'") as e:
+        generate(m, prompt(1), 3, step="graph-cond")
+    assert "\n" not in str(e.value) and "'graph'" not in str(e.value).split("expected")[1]
     assert isinstance(Decoder(m, 1, 8), Decoder)  # (the dynamic decoder is unchanged)
 
 
@@ -288,5 +354,20 @@ def test_cuda_graph_replay_equals_the_eager_static_step(name):
     eager = generate(m, p, 12, temperature=0, return_logits=True, step="static")
     graph = generate(m, p, 12, temperature=0, return_logits=True, step="graph")
     assert graph.step == "graph" and torch.equal(graph.tokens, eager.tokens)
+    torch.testing.assert_close(graph.logits, eager.logits, atol=1e-5, rtol=1e-5)
+    assert graph.processed_shares == pytest.approx(eager.processed_shares)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+@pytest.mark.parametrize("name", ["sigmoid", "mlp_skip", "token_choice", "mor_token_choice"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_cuda_graph_conditional_nodes_equal_the_eager_static_step(name, batch):
+    """On CUDA: "graph-cond" captures each routed layer's torch.cond as a CUDA graph conditional node;
+    replayed, it generates the eager masked step's tokens and logits, and the same shares."""
+    m = model(name).cuda()
+    p = prompt(batch).cuda()
+    eager = generate(m, p, 12, temperature=0, return_logits=True, step="static")
+    graph = generate(m, p, 12, temperature=0, return_logits=True, step="graph-cond")
+    assert graph.step == "graph-cond" and torch.equal(graph.tokens, eager.tokens)
     torch.testing.assert_close(graph.logits, eager.logits, atol=1e-5, rtol=1e-5)
     assert graph.processed_shares == pytest.approx(eager.processed_shares)

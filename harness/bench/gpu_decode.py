@@ -16,7 +16,12 @@ one warm-up generation, with each decoder of ``modbench.model.decode.generate``:
   process the token, one host read per routed layer and step;
 - ``static``: the static, sync-free step (``modbench.model.static_decode``), eager;
 - ``graph``: that step captured once in a CUDA graph and replayed (what ``generate`` runs on CUDA);
-- ``compile``: that step under ``torch.compile(fullgraph=True, mode="reduce-overhead")``.
+- ``compile``: that step under ``torch.compile(fullgraph=True, mode="reduce-overhead")``;
+- ``static-cond``, ``graph-cond``, ``compile-cond``: the same with each routed layer's block in a
+  ``torch.cond`` on "does any sequence process the token", so a layer no sequence routes to reads
+  none of its weights (MoD's decode saving, ``modbench.model.static_decode``): "graph-cond" decides on
+  the device (CUDA graph conditional nodes), "static-cond" and "compile-cond" on the host (a sync per
+  routed layer; Inductor drops its CUDA graphs for a torch.cond). For dense they equal their plain step.
 
 One decoder per (variant, batch, step) serves its warm-up and timed generations (``reset``), so a
 capture or a compile happens once. A cell that fails (a compile error, out of memory) records its
@@ -27,8 +32,12 @@ seconds each) come after every other cell. On a lent GPU with little time: ``--s
 first. Written: ``<out>/<name>.md`` and ``<out>/<name>.json``, with
 the device name, torch and Python versions and the shapes.
 
+``--cpu``: the CPU decode table's shape (make cpu-decode-bench: d 512, depth 8, prompt 32 + 32, fp32)
+on this machine, one thread, Inductor compiling the "compile" steps: what ``cond`` buys where a host
+read is free (make cpu-decode-static → reports/bench/decode-static-cpu.md).
+
 ``--dry-run``: the same code path on the CPU with a tiny model (d 64, depth 4, prompt 8 + 8, batch 1
-and 2, fp32), the "graph" step recorded as not available (it needs CUDA) and "compile" traced by
+and 2, fp32), the "graph" steps recorded as not available (they need CUDA) and the "compile" steps traced by
 Dynamo's "eager" backend (fullgraph, no Inductor C++ compile), one thread: tests/bench/test_gpu_decode.py runs it,
 so the command cannot rot between GPU sessions. Needs only torch (no MLflow, Optuna or network).
 """
@@ -49,12 +58,14 @@ import torch
 
 from modbench.bench.decode_calibration import move_cuts_to_capacity
 from modbench.config.model import ModelConfig, RoutingConfig
-from modbench.model.decode import STEPS, generate
+from modbench.model.decode import CUDA_ONLY_STEPS, STEPS, generate
 from modbench.model.gpt import GPT
 from modbench.model.static_decode import StaticDecoder
 
 CAPACITY = 0.125
 PATTERN = "fixed:1,1"
+# the default order: the compiles (slowest to set up) last
+DEFAULT_STEPS = ("dynamic", "static", "static-cond", "graph", "graph-cond", "compile", "compile-cond")
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,7 @@ class Size:
 
 GPU = Size(1024, 12, 64, 64, 128, (1, 8, 64), "bfloat16")
 DRY = Size(64, 4, 16, 8, 8, (1, 2), "float32")
+CPU = Size(512, 8, 64, 32, 32, (1, 8, 64), "float32")  # the shape of make cpu-decode-bench's table
 
 
 @dataclass
@@ -105,10 +117,11 @@ def _model(size: Size, variant: str, device: torch.device, seed: int = 0) -> GPT
 
 def _decoder(model: GPT, size: Size, batch: int, step: str, dry_run: bool) -> StaticDecoder | None:
     """One decoder for a cell's generations (None: the dynamic decoder, built per generation)."""
-    runner = STEPS[step]
-    if runner is None:
+    spec = STEPS[step]
+    if spec is None:
         return None
-    return StaticDecoder(model, batch, size.prompt + size.new_tokens - 1, runner=runner,
+    runner, cond = spec
+    return StaticDecoder(model, batch, size.prompt + size.new_tokens - 1, runner=runner, cond=cond,
                          compile_backend="eager" if dry_run and runner == "compile" else None)
 
 
@@ -192,7 +205,7 @@ def markdown(env: dict, size: Size, variants: list[str], steps: list[str], cells
                 ok = c and old and c.decode_tokens_per_s and old.decode_tokens_per_s
                 row.append(f"{c.decode_tokens_per_s / old.decode_tokens_per_s:.2f}×" if ok else "—")
             lines.append("| " + " | ".join(row) + " |")
-    setups = [c for c in cells if c.setup_s and c.step in ("graph", "compile")]
+    setups = [c for c in cells if c.setup_s and STEPS[c.step] and STEPS[c.step][0] != "eager"]
     if setups:
         lines += ["", "Set-up (capture or compile, once per variant, batch and step): " +
                   ", ".join(f"{c.variant} B{c.batch} {c.step} {c.setup_s:.1f} s" for c in setups) + "."]
@@ -209,17 +222,17 @@ def write(out: Path, name: str, env: dict, size: Size, variants: list[str], step
 
 
 def run(out: Path, name: str, *, variants: list[str], steps: list[str], batches: tuple[int, ...] | None = None,
-        rounds: int = 3, dry_run: bool = False, log=print) -> list[Cell]:
+        rounds: int = 3, dry_run: bool = False, cpu: bool = False, log=print) -> list[Cell]:
     """Every (variant, batch, step) cell, written after each one (module doc)."""
-    device = torch.device("cpu" if dry_run else "cuda")
-    if not dry_run and not torch.cuda.is_available():
-        raise SystemExit("gpu_decode: no CUDA device (use --dry-run for the CPU check)")
-    size = DRY if dry_run else GPU
+    device = torch.device("cpu" if dry_run or cpu else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_decode: no CUDA device (use --dry-run for the CPU check, --cpu for the CPU table's shape)")
+    size = DRY if dry_run else CPU if cpu else GPU
     if batches:
         size = Size(**{**asdict(size), "batches": tuple(batches)})
     threads = torch.get_num_threads()
-    if dry_run:
-        torch.set_num_threads(1)  # (a shared CPU: a 2-thread region waits for its descheduled thread at every op)
+    if device.type == "cpu":  # (a shared CPU: a 2-thread region waits for its descheduled thread at every op)
+        torch.set_num_threads(1)
     try:
         return _cells(out, name, size, device, variants, steps, rounds, dry_run, log)
     finally:
@@ -236,7 +249,7 @@ def _cells(out: Path, name: str, size: Size, device: torch.device, variants: lis
             for batch in size.batches:
                 cell = Cell(variant, batch, step)
                 cells.append(cell)
-                if step == "graph" and device.type != "cuda":
+                if step in CUDA_ONLY_STEPS and device.type != "cuda":
                     cell.error = "n/a: a CUDA graph needs a CUDA device"
                 else:
                     try:
@@ -256,11 +269,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("reports/bench"), help="output folder (default: reports/bench)")
     p.add_argument("--name", default=None, help="file name without suffix (default: decode-static-<gpu> or decode-static-dry)")
     p.add_argument("--variants", default="dense,sigmoid", help="comma-separated, dense first (default: dense,sigmoid)")
-    p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated decoders (default: {','.join(STEPS)})")
+    p.add_argument("--steps", default=",".join(DEFAULT_STEPS),
+                   help=f"comma-separated decoders, run in this order (default: {','.join(DEFAULT_STEPS)})")
     p.add_argument("--batches", default=None, help="comma-separated batch sizes (default: 1,8,64; dry run 1,2)")
     p.add_argument("--rounds", type=int, default=3, help="timed generations per cell after one warm-up (default: 3)")
     p.add_argument("--dry-run", action="store_true", help="the CPU check: a tiny model, seconds")
+    p.add_argument("--cpu", action="store_true",
+                   help="on this CPU at the CPU decode table's shape (d 512, depth 8, prompt 32 + 32, fp32, one thread; Inductor compiles)")
     args = p.parse_args(argv)
+    if args.dry_run and args.cpu:
+        p.error("--dry-run and --cpu: expected one of them")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     unknown = [s for s in steps if s not in STEPS]
@@ -268,10 +286,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"steps must be among {', '.join(STEPS)} and rounds >= 1" if unknown or args.rounds < 1 else "no variant")
     batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else None
     if args.name is None:
-        gpu = "dry" if args.dry_run or not torch.cuda.is_available() else \
+        gpu = "dry" if args.dry_run else "cpu" if args.cpu or not torch.cuda.is_available() else \
             torch.cuda.get_device_name().lower().replace("nvidia", "").strip().split()[0]
         args.name = f"decode-static-{gpu}"
-    run(args.out, args.name, variants=variants, steps=steps, batches=batches, rounds=args.rounds, dry_run=args.dry_run)
+    run(args.out, args.name, variants=variants, steps=steps, batches=batches, rounds=args.rounds, dry_run=args.dry_run,
+        cpu=args.cpu)
     print(f"gpu_decode: {args.out / (args.name + '.md')} and .json")
     return 0
 

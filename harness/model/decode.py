@@ -29,7 +29,10 @@ Generation (``Decoder``, ``generate``)
 The static step (``modbench.model.static_decode``): the same semantics with static shapes and no host
 sync, for a CUDA graph or ``torch.compile``. ``generate(step=...)`` picks the decoder: "dynamic" (this
 module's ``Decoder``), "static" (the static step, eager), "graph" (its one-token step replayed from a
-CUDA graph), "compile" (under ``torch.compile(fullgraph=True)``, "reduce-overhead" on CUDA), or "auto":
+CUDA graph), "compile" (under ``torch.compile(fullgraph=True)``, "reduce-overhead" on CUDA), each also
+as "<step>-cond" (a routed layer that no sequence of the batch routes to runs its skip path alone,
+``torch.cond``: the static step's way to keep MoD's decode saving; "graph-cond" decides on the device
+through CUDA graph conditional nodes, the others on the host), or "auto":
 "graph" on CUDA for every variant whose routers allow it (``Router.static_decode_refusal``), else
 "dynamic" — on a CPU a host read is free and the dynamic decoder skips the work of skipped tokens.
 
@@ -50,11 +53,12 @@ from torch import Tensor
 
 from modbench.errors import ModbenchError, accepted
 from modbench.model.gpt import GPT, Attention, AttentionSummary, RoutedBlock, attention_summary
-from modbench.model.static_decode import MODES, RoutingTally, StaticDecoder, static_refusal
+from modbench.model.static_decode import MODES, STATIC_STEPS, RoutingTally, StaticDecoder, static_refusal
 
 DECODE_MODES = MODES  # ("causal", "dense"): top-k cannot decode, it needs the future
-# generate's decoders (module doc): step name → the ``StaticDecoder`` runner (None: the dynamic ``Decoder``)
-STEPS = {"dynamic": None, "static": "eager", "graph": "graph", "compile": "compile"}
+# generate's decoders (module doc): step name → the ``StaticDecoder``'s (runner, cond) (None: the dynamic ``Decoder``)
+STEPS: dict[str, tuple[str, bool] | None] = {"dynamic": None, **STATIC_STEPS}
+CUDA_ONLY_STEPS = tuple(name for name, spec in STATIC_STEPS.items() if spec[0] == "graph")
 
 
 # --- the KV cache -------------------------------------------------------------------------
@@ -398,13 +402,13 @@ def generate(
     try:
         if decoder is None:
             step = resolve_step(model, step, mode)
-            runner = STEPS[step]
-            decoder = Decoder(model, B, P + max_new_tokens - 1, mode=mode) if runner is None else \
-                StaticDecoder(model, B, P + max_new_tokens - 1, mode=mode, runner=runner)
+            spec = STEPS[step]
+            decoder = Decoder(model, B, P + max_new_tokens - 1, mode=mode) if spec is None else \
+                StaticDecoder(model, B, P + max_new_tokens - 1, mode=mode, runner=spec[0], cond=spec[1])
         else:
             _check_reused(decoder, model, B, P + max_new_tokens - 1, mode)
             decoder.reset()
-            step = next(name for name, runner in STEPS.items() if runner == decoder.runner)
+            step = decoder.step_name
         setup = time.perf_counter()
         if isinstance(decoder, StaticDecoder):
             with autocast or nullcontext():
@@ -457,9 +461,10 @@ def resolve_step(model: GPT, step: str, mode: str = "causal") -> str:
     if STEPS[step] is not None and why is not None:
         raise ModbenchError(f"variant {model.routing.variant!r} cannot decode with step {step!r} ({why}); "
                             "expected step 'dynamic' or 'auto'")
-    if step == "graph" and not cuda:
-        raise ModbenchError("decode step 'graph' replays a CUDA graph: the model is not on a CUDA device; "
-                            "expected step 'static', 'compile', 'dynamic' or 'auto'")
+    if step in CUDA_ONLY_STEPS and not cuda:
+        others = [s for s in ("auto", *STEPS) if s not in CUDA_ONLY_STEPS]
+        raise ModbenchError(f"decode step {step!r} replays a CUDA graph: the model is not on a CUDA device; "
+                            f"expected {accepted(others)}")
     return step
 
 

@@ -19,15 +19,32 @@ what the dynamic decoder does for a prompt. For a one-token step the "fixed-boun
 B rows of the batch: it never overflows, so every count the rule can pick (0 … B) is exact, a
 variable-count router's (``token_choice``, ``threshold``, ``expert_threshold``, ``mor_token_choice``)
 included: at decode its count is whatever its rule picks, with no k_max slots and nothing dropped.
-Why not the alternatives: a gathered grid of fewer than B rows (vLLM's MoE sizing) must drop or
-defer the sequences beyond its bound when more of them process the token, which changes the model;
-a grid sized by the count needs the count on the host; ``torch.cond`` on "does any sequence process
-it" would save the block's weight reads when none does (the whole saving at batch 1), but its
-branches may not write the cache in place and its capture in a CUDA graph needs a GPU to check;
-bucketed graphs need the count on the host to pick a bucket. The price: the step does a dense
-step's block work at every routed layer (plus the router's), so on the device MoD saves no FLOPs
-per decode step here; what this step removes is the host overhead that issue 38 measured
-dominating both. (On CPU ``generate(step="auto")`` keeps the dynamic decoder, which does skip.)
+Why not a gathered grid of fewer than B rows (vLLM's MoE sizing): it must drop or defer the
+sequences beyond its bound when more of them process the token, which changes the model; a grid
+sized by the count, or bucketed graphs, need the count on the host.
+
+What masking costs: the step does a dense step's block work at every routed layer (plus the
+router's), so by itself it saves nothing per decode step: it removes the host overhead that issue 38
+measured dominating both. The saving comes back with ``cond=True`` (steps "static-cond",
+"graph-cond", "compile-cond" of ``modbench.model.decode.generate``): each routed layer's block sits
+in ``torch.cond(decide.any(), processed, skipped)``, so a layer that no sequence of the batch routes
+to runs its skip path alone — no block weights read, no K/V written — and one that some sequence
+routes to runs the masked block above. The two branches give the same result whenever the
+predicate picks either (a layer with no processed token: ``mix_causal`` is ``skipped(x)`` and the
+masked write keeps the old slot), so the choice changes speed, never numbers (tests check the two
+bit for bit). That is the saving the roofline of ``modbench.bench.decode_roofline`` charges (a
+routed layer reads its weights only on steps where b > 0): everything at batch 1, little at batch
+64 where some sequence nearly always processes. Where the predicate is decided:
+- "graph-cond": on the device. The capture runs under torch's own CUDA-graph control-flow modes
+  (``torch._higher_order_ops.cudagraph_conditional_nodes``, what Inductor's CUDA-graph trees use):
+  each ``torch.cond`` becomes a CUDA graph conditional node (CUDA ≥ 12.4), whose body the GPU runs
+  or skips by reading the predicate itself, so a replay still reads nothing on the host;
+- "static-cond" and "compile-cond": on the host, one read per routed layer and step (free on a
+  CPU; on CUDA a sync each). Inductor lowers ``torch.cond`` to a host ``if pred.item()`` and will
+  not CUDA-graph a graph that holds one (torch 2.13, ``_inductor/lowering.py``), so "compile-cond"
+  on CUDA runs Inductor's code without CUDA graphs.
+A routed layer whose attention exposes a summary to the next router (``amod``: a Python side
+effect, which a ``torch.cond`` branch may not have) keeps the masked path under ``cond``.
 
 The cache (``StaticLayerCache``): per layer ``k``/``v`` of shape (B, H, max_len, hd), slot t holding
 the token at position t (keys rotated by RoPE at their position), and ``valid`` (B, max_len) bool.
@@ -45,7 +62,7 @@ Runners (``StaticDecoder(runner=...)``; prompt chunks of more than one token alw
 warm-up on a side stream, then capture, the cache restored after) and replays it, the new tokens
 copied into a static input first; "compile" runs it under ``torch.compile(fullgraph=True)``, mode
 "reduce-overhead" on CUDA (Inductor's CUDA graphs; the cache tensors are marked static addresses so
-that their in-place updates stay inside the graph). ``prepare`` captures or compiles ahead of a
+that their in-place updates stay inside the graph), without CUDA graphs under ``cond`` (above). ``prepare`` captures or compiles ahead of a
 generation, leaving the cache as it was; ``reset`` empties it in place, so one decoder (one capture,
 one compile) serves many generations of one batch size.
 
@@ -68,6 +85,9 @@ from modbench.errors import ModbenchError, accepted
 from modbench.model.gpt import GPT, Attention, AttentionSummary, RoutedBlock, attention_summary
 
 RUNNERS = ("eager", "graph", "compile")
+# generate's names for (runner, cond) (``modbench.model.decode.STEPS`` adds "dynamic", the old decoder)
+STATIC_STEPS = {"static": ("eager", False), "graph": ("graph", False), "compile": ("compile", False),
+                "static-cond": ("eager", True), "graph-cond": ("graph", True), "compile-cond": ("compile", True)}
 MODES = ("causal", "dense")  # as ``modbench.model.decode.DECODE_MODES`` (top-k needs the future)
 GRAPH_WARMUP = 2  # eager steps on a side stream before a CUDA graph capture (lazy cuBLAS/SDPA setup)
 COMPILE_WARMUP = 3  # compiled steps before timing: compile, then Inductor's CUDA graph warm-up and recording
@@ -173,6 +193,19 @@ def _uncached_autocast(device: torch.device):
     return torch.autocast(device.type, dtype=torch.get_autocast_dtype(device.type), cache_enabled=False)
 
 
+def _control_flow_modes() -> tuple[type, type]:
+    """torch's dispatch modes that warm up both branches of a ``torch.cond`` and capture it as a CUDA
+    graph conditional node (what Inductor's CUDA-graph trees use, ``torch._inductor.cudagraph_trees``):
+    (warm-up, capture). A torch without them cannot run "graph-cond"."""
+    try:
+        from torch._higher_order_ops.cudagraph_conditional_nodes import (
+            ControlFlowOpWarmupDispatchMode, CUDAGraphCaptureControlFlowOpDispatchMode)
+    except ImportError as e:
+        raise ModbenchError(f"torch {torch.__version__} cannot capture a torch.cond in a CUDA graph ({e}); "
+                            "expected decode step 'graph' or 'compile'") from None
+    return ControlFlowOpWarmupDispatchMode, CUDAGraphCaptureControlFlowOpDispatchMode
+
+
 # --- which models can use it ------------------------------------------------------------------
 def static_refusal(model: GPT) -> str | None:
     """Why ``model`` cannot decode causally with the static step (its first router that says so,
@@ -207,13 +240,14 @@ class StaticDecoder(RoutingTally):
     (mode "causal" routes by the causal rule; "dense" runs every routed layer as a plain block).
 
     ``step`` is the static, sync-free computation; ``runner`` says how a one-token call runs it
-    (``RUNNERS``, module doc). ``compile_backend`` overrides torch.compile's backend for the
+    (``RUNNERS``, module doc); ``cond``: a routed layer no sequence routes to runs its skip path alone
+    (``torch.cond``, module doc). ``compile_backend`` overrides torch.compile's backend for the
     "compile" runner (tests use "eager": Dynamo's tracing, no code generation). ``reset`` empties
     the caches so that one decoder (and its captured graph or compiled step) serves many generations.
     """
 
     def __init__(self, model: GPT, batch: int, max_len: int, *, mode: str = "causal", runner: str = "eager",
-                 compile_backend: str | Callable | None = None) -> None:
+                 cond: bool = False, compile_backend: str | Callable | None = None) -> None:
         if mode not in MODES:
             raise ModbenchError(f"cannot decode with routing mode {mode!r}: expected {accepted(MODES)} "
                                 "(top-k needs the scores of future tokens)")
@@ -232,6 +266,9 @@ class StaticDecoder(RoutingTally):
                                 "expected cuda (use runner 'eager' or 'compile')")
         self.model, self.mode, self.batch, self.max_len, self.runner = model, mode, batch, max_len, runner
         self.routed = mode == "causal"
+        self.cond = cond
+        if cond and runner == "graph":
+            _control_flow_modes()  # (fails now, with the reason, where this torch cannot capture a torch.cond)
         self.compile_backend = compile_backend
         self.pos = torch.zeros((), dtype=torch.long, device=p.device)  # the next token's position
         hd = cfg.width // cfg.heads
@@ -246,6 +283,11 @@ class StaticDecoder(RoutingTally):
         self._graph_idx: Tensor | None = None
         self._graph_out: Tensor | None = None
         self._compiled = None
+
+    @property
+    def step_name(self) -> str:
+        """``generate``'s name for this decoder (``STATIC_STEPS``)."""
+        return next(name for name, spec in STATIC_STEPS.items() if spec == (self.runner, self.cond))
 
     # --- state ---------------------------------------------------------------------------------
     def state(self) -> list[Tensor]:
@@ -309,13 +351,10 @@ class StaticDecoder(RoutingTally):
         for layer, cache in zip(m.layers, self.caches):
             attn = layer.block.attn
             if isinstance(layer, RoutedBlock) and self.routed:
-                # The model's own causal path, every row computed: skipped rows' K/V are not written
-                # (``keep``) and their output is the skip rule's (``mix_causal``'s torch.where).
                 x = layer.pre_route(x, cos, sin, cache=cache)
                 decide, handoff = layer.decide(x, previous)
                 self.processed[j] += decide.sum()
-                delta = layer.routed_delta(x, cos, sin, cache=cache, keep=decide)
-                x = layer.mix_causal(x, decide, delta, handoff)
+                x = self._routed(layer, cache, x, decide, handoff, cos, sin)
                 previous = decide if handoff is None else handoff  # (mor_token_choice: the depths chosen up front)
                 j += 1
             else:
@@ -324,6 +363,23 @@ class StaticDecoder(RoutingTally):
                 previous = attn.take_exposed()
         self.pos.add_(idx.shape[1])
         return m.head(m.norm(x))
+
+    def _routed(self, layer: RoutedBlock, cache, x: Tensor, decide: Tensor, handoff: object | None,
+                cos: Tensor, sin: Tensor) -> Tensor:
+        """A routed layer's output: the model's own causal path with every row computed, skipped rows'
+        K/V not written (``keep``) and their output the skip rule's (``mix_causal``'s torch.where);
+        under ``cond``, only when some sequence processes the token (module doc)."""
+
+        def processed(x: Tensor, decide: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+            delta = layer.routed_delta(x, cos, sin, cache=cache, keep=decide)
+            return layer.mix_causal(x, decide, delta, handoff)
+
+        def skipped(x: Tensor, decide: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+            return layer.skipped(x).clone()  # (a branch may not return its input itself)
+
+        if not self.cond or layer.block.attn.expose:
+            return processed(x, decide, cos, sin)
+        return torch.cond(decide.any(), processed, skipped, (x, decide, cos, sin))
 
     # --- runners -------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -364,15 +420,16 @@ class StaticDecoder(RoutingTally):
         inside ``_scratch``, so capturing mid-generation changes nothing."""
         device = self.pos.device
         self._graph_idx = torch.zeros(self.batch, 1, dtype=torch.long, device=device)
+        warm_up, capture = _control_flow_modes() if self.cond else (nullcontext, nullcontext)
         with self._scratch(), _uncached_autocast(device):
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side), warm_up():  # (under cond: both branches of every torch.cond)
                 for _ in range(GRAPH_WARMUP):
                     self.step(self._graph_idx)
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph), capture():  # (the mode after the graph: it reads the capture stream)
                 self._graph_out = self.step(self._graph_idx)
         self._graph = graph
 
@@ -382,11 +439,12 @@ class StaticDecoder(RoutingTally):
             if self.compile_backend is not None:
                 self._compiled = torch.compile(self.step, fullgraph=True, dynamic=False, backend=self.compile_backend)
             else:
-                if cuda:  # in-place updates of these stay inside Inductor's CUDA graph
+                graphs = cuda and not self.cond  # (Inductor will not CUDA-graph a torch.cond: module doc)
+                if graphs:  # in-place updates of these stay inside Inductor's CUDA graph
                     for t in self.state():
                         torch._dynamo.mark_static_address(t)
                 self._compiled = torch.compile(self.step, fullgraph=True, dynamic=False,
-                                               mode="reduce-overhead" if cuda else None)
+                                               mode="reduce-overhead" if graphs else None)
         if cuda:
             torch.compiler.cudagraph_mark_step_begin()
         return self._compiled(idx).clone()  # (a CUDA graph's output is overwritten by its next replay)

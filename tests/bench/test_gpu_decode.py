@@ -1,8 +1,8 @@
 """The GPU decode bench (``modbench.bench.gpu_decode``, issue 38 item 4) runs end to end on the CPU.
 
 Its ``--dry-run`` is the very command a lent GPU runs, on a tiny fp32 model: every decoder of
-``generate`` (the old dynamic decoder, the static step eager and compiled; the CUDA graph recorded as
-not available here) at two batch sizes, for dense and sigmoid, written as markdown and JSON with the
+``generate`` (the old dynamic decoder, the static step eager and compiled, masked and under
+``torch.cond``; the CUDA graphs recorded as not available here) at two batch sizes, for dense and sigmoid, written as markdown and JSON with the
 environment. So the prepared command cannot rot between GPU sessions.
 """
 
@@ -23,9 +23,10 @@ def test_dry_run_writes_every_cell(tmp_path, capsys):
     assert record["environment"]["device"].startswith("cpu") and record["environment"]["python"]
     cells = {(c["variant"], c["batch"], c["step"]): c for c in record["cells"]}
     assert set(cells) == {(v, b, s) for v in ("dense", "sigmoid") for b in (1, 2)
-                          for s in ("dynamic", "static", "graph", "compile")}
+                          for s in gpu_decode.DEFAULT_STEPS}
+    assert set(gpu_decode.DEFAULT_STEPS) == set(gpu_decode.STEPS)  # every decoder of generate is timed
     for (variant, batch, step), c in cells.items():
-        if step == "graph":
+        if step.startswith("graph"):
             assert c["error"].startswith("n/a") and c["decode_tokens_per_s"] is None
             continue
         assert c["error"] is None, c
@@ -34,7 +35,8 @@ def test_dry_run_writes_every_cell(tmp_path, capsys):
         if variant == "sigmoid":
             assert 0.0 < c["processed_share"] < 0.5  # routed layers moved to C = 0.125 (a tiny sample)
     assert "| 1 | static |" in md and "sigmoid ÷ dense" in md and "Speed-up of each static step" in md
-    assert md.count("\n| ") >= 2 * 4 + 4 and "decode-static-dry.md" in capsys.readouterr().out
+    assert "| 2 | graph-cond |" in md and "Set-up (capture or compile" in md and "B2 compile-cond" in md
+    assert md.count("\n| ") >= 2 * 7 + 4 and "decode-static-dry.md" in capsys.readouterr().out
 
 
 def test_a_failing_cell_is_recorded_and_the_rest_run(tmp_path, monkeypatch):
