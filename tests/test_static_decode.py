@@ -149,6 +149,21 @@ def test_the_cond_step_equals_the_masked_step_bit_for_bit(name):
         assert cond.step_name == "static-cond" and masked.step_name == "static"
 
 
+@pytest.mark.parametrize("name", ["sigmoid", "token_choice", "mor_token_choice", "dtrnet"])
+def test_the_traced_torch_cond_equals_the_masked_step_bit_for_bit(name):
+    """The eager step branches in Python; the compiled one runs a traced ``torch.cond`` (as the CUDA graph
+    capture does): the same logits and cache as the masked step, bit for bit."""
+    m = model(name)
+    idx = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(6))
+    torch._dynamo.reset()
+    masked = StaticDecoder(m, 3, 16)
+    traced = StaticDecoder(m, 3, 16, runner="compile", cond=True, compile_backend="eager")
+    for a, b in zip(_fed(masked, idx), _fed(traced, idx)):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(masked.state(), traced.state()))
+    assert traced.step_name == "compile-cond"
+
+
 def _matmuls(call) -> int:
     """Matrix products the call ran (torch.profiler's aten events; a linear counts once)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:

@@ -40,9 +40,11 @@ routed layer reads its weights only on steps where b > 0): everything at batch 1
   each ``torch.cond`` becomes a CUDA graph conditional node (CUDA ≥ 12.4), whose body the GPU runs
   or skips by reading the predicate itself, so a replay still reads nothing on the host;
 - "static-cond" and "compile-cond": on the host, one read per routed layer and step (free on a
-  CPU; on CUDA a sync each). Inductor lowers ``torch.cond`` to a host ``if pred.item()`` and will
-  not CUDA-graph a graph that holds one (torch 2.13, ``_inductor/lowering.py``), so "compile-cond"
-  on CUDA runs Inductor's code without CUDA graphs.
+  CPU; on CUDA a sync each). The eager step branches in Python, which is what an eager
+  ``torch.cond`` does after its Dynamo trace and guard check (about 0.5 ms a call on a CPU, so the
+  check is skipped); Inductor lowers ``torch.cond`` to a host ``if pred.item()`` and will not
+  CUDA-graph a graph that holds one (torch 2.13, ``_inductor/lowering.py``), so "compile-cond" on
+  CUDA runs Inductor's code without CUDA graphs.
 A routed layer whose attention exposes a summary to the next router (``amod``: a Python side
 effect, which a ``torch.cond`` branch may not have) keeps the masked path under ``cond``.
 
@@ -279,6 +281,7 @@ class StaticDecoder(RoutingTally):
         n_routed = sum(isinstance(layer, RoutedBlock) for layer in model.layers)
         self.processed = torch.zeros(n_routed, dtype=torch.long, device=p.device)  # per routed layer, on the device
         self.fed = 0  # tokens fed per sequence, counted on the host (bounds and shares: no sync)
+        self._capturing = False  # in ``_capture``: torch.cond, for torch's control-flow capture modes
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_idx: Tensor | None = None
         self._graph_out: Tensor | None = None
@@ -379,7 +382,13 @@ class StaticDecoder(RoutingTally):
 
         if not self.cond or layer.block.attn.expose:
             return processed(x, decide, cos, sin)
-        return torch.cond(decide.any(), processed, skipped, (x, decide, cos, sin))
+        pred = decide.any()
+        if self._capturing or torch.compiler.is_compiling():
+            return torch.cond(pred, processed, skipped, (x, decide, cos, sin))
+        # Eager: torch.cond would trace its branches with Dynamo, check that trace's guards (about 0.5 ms a
+        # call on a CPU) and then run ``processed if pred else skipped`` (torch/_higher_order_ops/cond.py,
+        # cond_op_dense): the same host read and branch, without the guard check.
+        return processed(x, decide, cos, sin) if pred else skipped(x, decide, cos, sin)
 
     # --- runners -------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -421,16 +430,20 @@ class StaticDecoder(RoutingTally):
         device = self.pos.device
         self._graph_idx = torch.zeros(self.batch, 1, dtype=torch.long, device=device)
         warm_up, capture = _control_flow_modes() if self.cond else (nullcontext, nullcontext)
-        with self._scratch(), _uncached_autocast(device):
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side), warm_up():  # (under cond: both branches of every torch.cond)
-                for _ in range(GRAPH_WARMUP):
-                    self.step(self._graph_idx)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph), capture():  # (the mode after the graph: it reads the capture stream)
-                self._graph_out = self.step(self._graph_idx)
+        self._capturing = True
+        try:
+            with self._scratch(), _uncached_autocast(device):
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side), warm_up():  # (under cond: both branches of every torch.cond)
+                    for _ in range(GRAPH_WARMUP):
+                        self.step(self._graph_idx)
+                torch.cuda.current_stream(device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph), capture():  # (the mode after the graph: it reads the capture stream)
+                    self._graph_out = self.step(self._graph_idx)
+        finally:
+            self._capturing = False
         self._graph = graph
 
     def _compiled_step(self, idx: Tensor) -> Tensor:
