@@ -194,6 +194,14 @@ gpu-decode-bench: gpu-pkg
 	  > $(or $(OUT),reports/bench)/decode-cuda-tests.txt 2>&1; tail -n 3 $(or $(OUT),reports/bench)/decode-cuda-tests.txt
 	$(GPU_RUN) -m modbench.bench.gpu_decode --out $(or $(OUT),reports/bench) $(if $(STEPS),--steps $(STEPS))
 
+# The routed block's and the model step's bars (issue 38): sigmoid and norm blocks at C = 0.125, B 32, T 2048, d 1024,
+# and the depth-4 alternate GPT's training step, against dense, eager / compiled / CUDA graphs (reduce-overhead),
+# one process → $(or $(OUT),reports/bench)/bars-<gpu>.md and .json (modbench.bench.gpu_bars; tests/bench/test_gpu_bars.py).
+# MODES=eager,cudagraphs (or BARS=block) runs a part.
+.PHONY: gpu-bars
+gpu-bars: gpu-pkg
+	$(GPU_RUN) -m modbench.bench.gpu_bars --out $(or $(OUT),reports/bench) $(if $(MODES),--modes $(MODES)) $(if $(BARS),--bars $(BARS))
+
 # Where the dense layer's eager time goes (issue 38 item 3): nanoGPT's block shape with modbench's norm and RoPE
 # added one at a time, then modbench's DenseLayer, interleaved, profiled per category →
 # $(or $(OUT),reports/bench)/dense-layer-<gpu>.md and .json (modbench.bench.dense_layer; tests/bench/test_dense_layer.py).

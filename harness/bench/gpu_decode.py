@@ -256,6 +256,8 @@ def _cells(out: Path, name: str, size: Size, device: torch.device, variants: lis
                         measure(models[variant], size, cell, rounds, dry_run)
                     except Exception as e:  # one failed cell (compile, memory) must not lose the others
                         cell.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:200]
+                    finally:  # each cell compiles its own decoder: Dynamo's recompile limit (8) is per code object
+                        torch._dynamo.reset()
                         if device.type == "cuda":
                             torch.cuda.empty_cache()
                 log(f"{variant:>10} B{batch:<3} {step:>8}: "

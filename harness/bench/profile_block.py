@@ -14,7 +14,7 @@ The same helpers build and count the blocks of the speed benchmarks (``tests/ben
 - ``bench_config``: the benchmark model shape (depth 4; d = 256 on CPU, 1024 on CUDA).
 - ``build_block``: a routed block (or the dense reference) with seeded, shared weights.
 - FLOPs: each layer's own ``flops(seq_len)`` (``modbench.model.gpt``), the model's counter.
-- ``fwd_bwd``: the closure the benchmarks time.
+- ``fwd_bwd``: the closure the block benchmarks time; ``train_step``: the model benchmarks'.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor, nn
@@ -96,6 +97,30 @@ def fwd_bwd(
         grads = [grad, *(None for _ in out.aux_losses)]
         torch.autograd.backward(tensors, grads)
         return out.x
+
+    return step
+
+
+def train_step(model: nn.Module, idx: Tensor, targets: Tensor, *, forward: Callable | None = None,
+               autocast: torch.dtype | None = None, aux_step: int = 10**6) -> Callable[[], Tensor]:
+    """The timed closure of a whole-model training step: zero grads, ``forward`` (the model, or a
+    compiled view of it) under ``autocast``, the LM loss plus the aux losses weighted at ``aux_step``
+    (past any warm-up: the step pays for every aux loss), backward, AdamW step; returns the LM loss."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    forward = model if forward is None else forward
+    device = idx.device.type
+
+    def step() -> Tensor:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=autocast) if autocast is not None else nullcontext():
+            out = forward(idx, targets)
+        loss = out.loss
+        aux = model.weighted_aux_loss(out.aux_losses, aux_step)
+        if aux is not None:
+            loss = loss + aux
+        loss.backward()
+        opt.step()
+        return out.loss.detach()
 
     return step
 

@@ -54,3 +54,11 @@ def test_a_failing_cell_is_recorded_and_the_rest_run(tmp_path, monkeypatch):
     assert [c.error for c in cells] == [None, "RuntimeError: out of memory"]
     assert cells[0].decode_tokens_per_s > 0
     assert "error: RuntimeError: out of memory" in (tmp_path / "t.md").read_text()
+
+
+def test_more_compiled_cells_than_dynamos_recompile_limit(tmp_path):
+    """Each cell compiles its own decoder's step: twelve of them (the GPU run's count) pass Dynamo's limit of
+    eight recompiles per code object unless each cell starts afresh; no cell may fail for it."""
+    cells = gpu_decode.run(tmp_path, "t", variants=["dense", "sigmoid"], steps=["compile", "compile-cond"],
+                           batches=(1, 2, 3), rounds=1, dry_run=True, log=lambda line: None)
+    assert len(cells) == 12 and [c.error for c in cells] == [None] * 12

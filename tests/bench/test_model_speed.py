@@ -24,7 +24,7 @@ from modbench import variants
 from modbench.config.model import RoutingConfig
 from modbench.model.gpt import GPT, RoutedBlock
 from modbench.config.patterns import pattern_string
-from modbench.bench.profile_block import bench_config
+from modbench.bench.profile_block import bench_config, train_step
 
 ROUTED = [v for v in variants.list_variants() if variants.build_router(v, 8).scope != "none"]
 BATCH = {512: 4, 2048: 1}
@@ -45,25 +45,10 @@ def _model(cfg, routing: RoutingConfig, device: str) -> GPT:
 
 
 def _train_step(model: GPT, idx: torch.Tensor, targets: torch.Tensor, device: str):
-    """The timed closure: zero grads, forward (bf16 autocast + compiled on CUDA), the LM loss
-    plus the weighted aux losses, backward, AdamW step."""
+    """The timed closure (``modbench.bench.profile_block.train_step``): bf16 autocast and compiled on CUDA."""
     cuda = device == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    forward = torch.compile(model, fullgraph=True) if cuda else model
-
-    def step() -> torch.Tensor:
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
-            out = forward(idx, targets)
-        loss = out.loss
-        aux = model.weighted_aux_loss(out.aux_losses, AUX_STEP)
-        if aux is not None:
-            loss = loss + aux
-        loss.backward()
-        opt.step()
-        return out.loss.detach()
-
-    return step
+    return train_step(model, idx, targets, forward=torch.compile(model, fullgraph=True) if cuda else None,
+                      autocast=torch.bfloat16 if cuda else None, aux_step=AUX_STEP)
 
 
 def _cases():
