@@ -149,19 +149,41 @@ def test_the_cond_step_equals_the_masked_step_bit_for_bit(name):
         assert cond.step_name == "static-cond" and masked.step_name == "static"
 
 
-@pytest.mark.parametrize("name", ["sigmoid", "token_choice", "mor_token_choice", "dtrnet"])
-def test_the_traced_torch_cond_equals_the_masked_step_bit_for_bit(name):
-    """The eager step branches in Python; the compiled one runs a traced ``torch.cond`` (as the CUDA graph
-    capture does): the same logits and cache as the masked step, bit for bit."""
+@pytest.mark.parametrize("name", ["sigmoid", "token_choice", "mor_token_choice", "dtrnet", "amod"])
+def test_compiled_parts_and_the_traced_cond_equal_the_masked_step_bit_for_bit(name):
+    """"compile-cond" runs Dynamo-compiled parts with the branch between them (here backend "eager":
+    Dynamo's tracing, no code generation); a whole step traced with ``torch.cond`` runs the HOP. Both
+    give the masked step's logits and cache bit for bit."""
     m = model(name)
     idx = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(6))
     torch._dynamo.reset()
     masked = StaticDecoder(m, 3, 16)
-    traced = StaticDecoder(m, 3, 16, runner="compile", cond=True, compile_backend="eager")
-    for a, b in zip(_fed(masked, idx), _fed(traced, idx)):
+    parts = StaticDecoder(m, 3, 16, runner="compile", cond=True, compile_backend="eager")
+    for a, b in zip(_fed(masked, idx), _fed(parts, idx)):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(masked.state(), parts.state()))
+    assert parts.step_name == "compile-cond" and parts._parts is not None
+    traced = StaticDecoder(m, 3, 16, cond=True)
+    step = torch.compile(traced.step, fullgraph=True, dynamic=False, backend="eager")
+    with torch.no_grad():
+        outs = [traced(idx[:, :4])] + [step(idx[:, t : t + 1]) for t in range(4, 16)]
+    for a, b in zip(_fed(StaticDecoder(m, 3, 16), idx), outs):
         assert torch.equal(a, b)
     assert all(torch.equal(a, b) for a, b in zip(masked.state(), traced.state()))
-    assert traced.step_name == "compile-cond"
+
+
+def test_one_compiled_graph_per_part_serves_every_layer():
+    """"compile-cond" compiles four parts (route, processed, skipped, dense), not one graph per layer:
+    a model twice as deep compiles no more graphs (and stays far from Dynamo's recompile limit)."""
+    counts = []
+    for depth, pattern in ((4, "DMMD"), (8, "DMMMMMMD")):
+        m = model("sigmoid", ModelConfig(depth=depth, n_embd=32, head_dim=8, max_seq_len=T), pattern=pattern)
+        torch._dynamo.reset()
+        graphs: list = []
+        dec = StaticDecoder(m, 2, 16, runner="compile", cond=True, compile_backend=_recording(graphs))
+        _fed(dec, torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(7)))
+        counts.append(len(graphs))
+    assert counts[0] == counts[1] and 4 <= counts[0] <= 8, counts
 
 
 def _matmuls(call) -> int:
@@ -275,11 +297,21 @@ def _recording(graphs: list):
     return record
 
 
-def _compiled_generation(m: GPT, batch: int, graphs: list, cond: bool = False):
+def _compiled_generation(m: GPT, batch: int, graphs: list, cond: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy generation of 12 tokens whose 11 one-token steps run the whole step under
+    ``torch.compile(fullgraph=True)`` (the prompt eagerly): (tokens, logits)."""
     torch._dynamo.reset()
-    dec = StaticDecoder(m, batch, 16, runner="compile", cond=cond)
-    dec.compile_backend = _recording(graphs)  # Dynamo with fullgraph=True, then the graph run eagerly
-    return generate(m, prompt(batch), 12, temperature=0, return_logits=True, decoder=dec)
+    dec = StaticDecoder(m, batch, 16, cond=cond)
+    compiled = torch.compile(dec.step, fullgraph=True, dynamic=False, backend=_recording(graphs))
+    tokens, logits = [prompt(batch)], []
+    with torch.no_grad():
+        for i in range(12):
+            out = dec(tokens[-1]) if i == 0 else compiled(tokens[-1])
+            if i > 0:
+                dec.fed += 1
+            logits.append(out)
+            tokens.append(out[:, -1:].argmax(-1))
+    return torch.cat(tokens[:-1], 1), torch.cat(logits, 1)
 
 
 def assert_compiles_sync_free(m: GPT, batch: int = 3, cond: bool = False) -> None:
@@ -288,8 +320,8 @@ def assert_compiles_sync_free(m: GPT, batch: int = 3, cond: bool = False) -> Non
     host-syncing op (a traced ``.item()``), and it must serve all 11 one-token steps (no recompile: what
     a CUDA graph replay needs); its logits are the causal pass's."""
     graphs: list = []
-    out = _compiled_generation(m, batch, graphs, cond)
-    assert out.step == ("compile-cond" if cond else "compile") and len(graphs) == 1
+    tokens, logits = _compiled_generation(m, batch, graphs, cond)
+    assert len(graphs) == 1
     subgraphs = [g.graph for g in graphs[0].modules() if isinstance(g, torch.fx.GraphModule)]
     calls = [n for g in subgraphs for n in g.nodes if n.op in ("call_function", "call_method")]
     names = [str(n.target) for n in calls]
@@ -298,7 +330,7 @@ def assert_compiles_sync_free(m: GPT, batch: int = 3, cond: bool = False) -> Non
     conds = sum(n.target is torch.ops.higher_order.cond for n in calls)
     routed = sum(isinstance(layer, RoutedBlock) and not layer.block.attn.expose for layer in m.layers)
     assert conds == (routed if cond else 0)  # one torch.cond per routed layer, traced (not a graph break)
-    torch.testing.assert_close(out.logits, m(out.tokens[:, :-1], routing_mode="causal").logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, m(tokens, routing_mode="causal").logits, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", SYNC_FREE)

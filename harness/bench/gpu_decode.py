@@ -17,11 +17,13 @@ one warm-up generation, with each decoder of ``modbench.model.decode.generate``:
 - ``static``: the static, sync-free step (``modbench.model.static_decode``), eager;
 - ``graph``: that step captured once in a CUDA graph and replayed (what ``generate`` runs on CUDA);
 - ``compile``: that step under ``torch.compile(fullgraph=True, mode="reduce-overhead")``;
-- ``static-cond``, ``graph-cond``, ``compile-cond``: the same with each routed layer's block in a
-  ``torch.cond`` on "does any sequence process the token", so a layer no sequence routes to reads
-  none of its weights (MoD's decode saving, ``modbench.model.static_decode``): "graph-cond" decides on
-  the device (CUDA graph conditional nodes), "static-cond" and "compile-cond" on the host (a sync per
-  routed layer; Inductor drops its CUDA graphs for a torch.cond). For dense they equal their plain step.
+- ``static-cond``, ``graph-cond``, ``compile-cond``: the same with each routed layer branching on
+  "does any sequence process the token", so a layer no sequence routes to reads none of its weights
+  (MoD's decode saving, ``modbench.model.static_decode``): "graph-cond" captures the eager step with
+  each branch a CUDA graph conditional node (decided on the device); "compile-cond" compiles the
+  step's parts with Inductor and captures them the same way on CUDA (on a CPU it branches on the
+  host); "static-cond" branches on the host (a sync per routed layer on CUDA). For dense they equal
+  their plain step.
 
 One decoder per (variant, batch, step) serves its warm-up and timed generations (``reset``), so a
 capture or a compile happens once. A cell that fails (a compile error, out of memory) records its

@@ -26,27 +26,33 @@ sized by the count, or bucketed graphs, need the count on the host.
 What masking costs: the step does a dense step's block work at every routed layer (plus the
 router's), so by itself it saves nothing per decode step: it removes the host overhead that issue 38
 measured dominating both. The saving comes back with ``cond=True`` (steps "static-cond",
-"graph-cond", "compile-cond" of ``modbench.model.decode.generate``): each routed layer's block sits
-in ``torch.cond(decide.any(), processed, skipped)``, so a layer that no sequence of the batch routes
+"graph-cond", "compile-cond" of ``modbench.model.decode.generate``): each routed layer branches on
+``decide.any()`` between ``processed`` and ``skipped``, so a layer that no sequence of the batch routes
 to runs its skip path alone — no block weights read, no K/V written — and one that some sequence
 routes to runs the masked block above. The two branches give the same result whenever the
 predicate picks either (a layer with no processed token: ``mix_causal`` is ``skipped(x)`` and the
 masked write keeps the old slot), so the choice changes speed, never numbers (tests check the two
 bit for bit). That is the saving the roofline of ``modbench.bench.decode_roofline`` charges (a
 routed layer reads its weights only on steps where b > 0): everything at batch 1, little at batch
-64 where some sequence nearly always processes. Where the predicate is decided:
-- "graph-cond": on the device. The capture runs under torch's own CUDA-graph control-flow modes
-  (``torch._higher_order_ops.cudagraph_conditional_nodes``, what Inductor's CUDA-graph trees use):
-  each ``torch.cond`` becomes a CUDA graph conditional node (CUDA ≥ 12.4), whose body the GPU runs
-  or skips by reading the predicate itself, so a replay still reads nothing on the host;
-- "static-cond" and "compile-cond": on the host, one read per routed layer and step (free on a
-  CPU; on CUDA a sync each). The eager step branches in Python, which is what an eager
-  ``torch.cond`` does after its Dynamo trace and guard check (about 0.5 ms a call on a CPU, so the
-  check is skipped); Inductor lowers ``torch.cond`` to a host ``if pred.item()`` and will not
-  CUDA-graph a graph that holds one (torch 2.13, ``_inductor/lowering.py``), so "compile-cond" on
-  CUDA runs Inductor's code without CUDA graphs.
-A routed layer whose attention exposes a summary to the next router (``amod``: a Python side
-effect, which a ``torch.cond`` branch may not have) keeps the masked path under ``cond``.
+64 where some sequence nearly always processes. The step is the parts below (``route_part``,
+``processed_part``, ``skipped_part``, ``dense_part``) applied layer by layer, and the branch between
+them is taken
+- on the device in a CUDA graph ("graph-cond"; "compile-cond" on CUDA): the capture records each
+  branch with torch's ``if_else_node`` (``torch._higher_order_ops.cudagraph_conditional_nodes``, what
+  Inductor's CUDA-graph trees run a ``torch.cond`` with) as CUDA graph conditional nodes (CUDA ≥
+  12.4) whose body the GPU runs or skips by reading the predicate itself: a replay reads nothing on
+  the host. The warm-up before it runs both branches (their lazy set-up and compiles);
+- on the host otherwise ("static-cond"; "compile-cond" on a CPU): one read per routed layer and step,
+  free on a CPU (a sync each on CUDA). That is what an eager ``torch.cond`` does after its Dynamo
+  trace and guard check (about 0.5 ms a call on a CPU), so the step branches in Python.
+"compile-cond" compiles each part once (``compiled_parts``: Inductor's kernels, one graph per part
+serving every layer; Inductor's default mode, whose code a capture can hold). Why not compile the
+whole step with a ``torch.cond``: Inductor lowers it to a host ``if pred.item()`` and will not
+CUDA-graph a graph that holds one (torch 2.13, ``_inductor/lowering.py``). The whole step still
+traces with ``torch.cond`` under ``torch.compile(fullgraph=True)`` (tests: one graph, no host sync),
+which is what shows that nothing in it needs the host. A layer whose attention exposes a summary to
+the next router (``amod``: a module attribute set, which a branch or a compiled part may not hold)
+runs its parts eagerly, and masked if it is routed.
 
 The cache (``StaticLayerCache``): per layer ``k``/``v`` of shape (B, H, max_len, hd), slot t holding
 the token at position t (keys rotated by RoPE at their position), and ``valid`` (B, max_len) bool.
@@ -64,7 +70,8 @@ Runners (``StaticDecoder(runner=...)``; prompt chunks of more than one token alw
 warm-up on a side stream, then capture, the cache restored after) and replays it, the new tokens
 copied into a static input first; "compile" runs it under ``torch.compile(fullgraph=True)``, mode
 "reduce-overhead" on CUDA (Inductor's CUDA graphs; the cache tensors are marked static addresses so
-that their in-place updates stay inside the graph), without CUDA graphs under ``cond`` (above). ``prepare`` captures or compiles ahead of a
+that their in-place updates stay inside the graph); under ``cond`` it compiles the parts instead and,
+on CUDA, captures the step as "graph" does (above). ``prepare`` captures or compiles ahead of a
 generation, leaving the cache as it was; ``reset`` empties it in place, so one decoder (one capture,
 one compile) serves many generations of one batch size.
 
@@ -78,6 +85,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -195,17 +203,16 @@ def _uncached_autocast(device: torch.device):
     return torch.autocast(device.type, dtype=torch.get_autocast_dtype(device.type), cache_enabled=False)
 
 
-def _control_flow_modes() -> tuple[type, type]:
-    """torch's dispatch modes that warm up both branches of a ``torch.cond`` and capture it as a CUDA
-    graph conditional node (what Inductor's CUDA-graph trees use, ``torch._inductor.cudagraph_trees``):
-    (warm-up, capture). A torch without them cannot run "graph-cond"."""
+def _if_else_node() -> Callable:
+    """torch's capture of a branch as CUDA graph conditional nodes (``if_else_node(pred, true_fn,
+    false_fn, operands)``, what Inductor's CUDA-graph trees run a ``torch.cond`` with); a torch
+    without it cannot run the "-cond" steps in a CUDA graph."""
     try:
-        from torch._higher_order_ops.cudagraph_conditional_nodes import (
-            ControlFlowOpWarmupDispatchMode, CUDAGraphCaptureControlFlowOpDispatchMode)
+        from torch._higher_order_ops.cudagraph_conditional_nodes import if_else_node
     except ImportError as e:
-        raise ModbenchError(f"torch {torch.__version__} cannot capture a torch.cond in a CUDA graph ({e}); "
+        raise ModbenchError(f"torch {torch.__version__} cannot capture a branch in a CUDA graph ({e}); "
                             "expected decode step 'graph' or 'compile'") from None
-    return ControlFlowOpWarmupDispatchMode, CUDAGraphCaptureControlFlowOpDispatchMode
+    return if_else_node
 
 
 # --- which models can use it ------------------------------------------------------------------
@@ -216,6 +223,53 @@ def static_refusal(model: GPT) -> str | None:
         if router.static_decode_refusal:
             return f"{type(router).__name__}: {router.static_decode_refusal}"
     return None
+
+
+# --- the step's parts ---------------------------------------------------------------------------
+# A step applies these layer by layer; between them sits the only branch (``StaticDecoder._routed``).
+# "compile-cond" compiles each part once (Inductor fuses its kernels, and one compiled graph serves every
+# layer of its kind) and keeps the branch outside compiled code: on the host on a CPU, as a CUDA graph's
+# conditional node on CUDA.
+def route_part(layer: RoutedBlock, cache, x: Tensor, cos: Tensor, sin: Tensor, previous: object | None):
+    """What runs on every row before the decision, and the decision: (x, decide (B, n) bool, handoff)."""
+    x = layer.pre_route(x, cos, sin, cache=cache)
+    decide, handoff = layer.decide(x, previous)
+    return x, decide, handoff
+
+
+def processed_part(layer: RoutedBlock, cache, handoff: object | None, x: Tensor, decide: Tensor,
+                   cos: Tensor, sin: Tensor) -> Tensor:
+    """The routed layer on every row, kept where ``decide``: skipped rows write no K/V (``keep``) and
+    leave the skip rule's output (``mix_causal``'s torch.where)."""
+    delta = layer.routed_delta(x, cos, sin, cache=cache, keep=decide)
+    return layer.mix_causal(x, decide, delta, handoff)
+
+
+def skipped_part(layer: RoutedBlock, x: Tensor) -> Tensor:
+    """The layer's output when no row processes the token (``processed_part``'s value then, bit for bit)."""
+    return layer.skipped(x).clone()  # (a branch may not return its input itself)
+
+
+def dense_part(layer, cache, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x + layer.block.delta(x, cos, sin, cache=cache)
+
+
+@dataclass(frozen=True)
+class StepParts:
+    route: Callable
+    processed: Callable
+    skipped: Callable
+    dense: Callable
+
+
+EAGER_PARTS = StepParts(route_part, processed_part, skipped_part, dense_part)
+
+
+def compiled_parts(backend: str | Callable = "inductor") -> StepParts:
+    """Each part under ``torch.compile(fullgraph=True, dynamic=False)`` (Inductor's default mode: no CUDA
+    graphs of its own, so that a capture of the whole step can hold them)."""
+    return StepParts(*(torch.compile(f, fullgraph=True, dynamic=False, backend=backend)
+                       for f in (route_part, processed_part, skipped_part, dense_part)))
 
 
 # --- the decoder --------------------------------------------------------------------------------
@@ -269,8 +323,8 @@ class StaticDecoder(RoutingTally):
         self.model, self.mode, self.batch, self.max_len, self.runner = model, mode, batch, max_len, runner
         self.routed = mode == "causal"
         self.cond = cond
-        if cond and runner == "graph":
-            _control_flow_modes()  # (fails now, with the reason, where this torch cannot capture a torch.cond)
+        if cond and (runner == "graph" or (runner == "compile" and p.device.type == "cuda")):
+            _if_else_node()  # (fails now, with the reason, where this torch cannot capture a branch)
         self.compile_backend = compile_backend
         self.pos = torch.zeros((), dtype=torch.long, device=p.device)  # the next token's position
         hd = cfg.width // cfg.heads
@@ -281,7 +335,10 @@ class StaticDecoder(RoutingTally):
         n_routed = sum(isinstance(layer, RoutedBlock) for layer in model.layers)
         self.processed = torch.zeros(n_routed, dtype=torch.long, device=p.device)  # per routed layer, on the device
         self.fed = 0  # tokens fed per sequence, counted on the host (bounds and shares: no sync)
-        self._capturing = False  # in ``_capture``: torch.cond, for torch's control-flow capture modes
+        # "-cond" steps in a CUDA graph: "graph-cond" (eager parts) and, on CUDA, "compile-cond" (compiled parts)
+        self.graphed = runner == "graph" or (runner == "compile" and cond and p.device.type == "cuda")
+        self._parts: StepParts | None = None  # the one-token step's parts (compiled ones built on first use)
+        self._branching = "host"  # how ``_routed`` branches: "host", "warm-up" or "capture" (``_capture``)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_idx: Tensor | None = None
         self._graph_out: Tensor | None = None
@@ -333,18 +390,21 @@ class StaticDecoder(RoutingTally):
             raise ValueError(f"decoder was built for batch {self.batch}, got {B}")
         if self.fed + n > self.max_len:
             raise ModbenchError(f"decoding past {self.max_len} tokens: raise the decoder's max_len")
-        if n == 1 and self.runner == "graph":
+        if n == 1 and self.graphed:
             logits = self._replay(idx)
-        elif n == 1 and self.runner == "compile":
+        elif n == 1 and self.runner == "compile" and not self.cond:
             logits = self._compiled_step(idx)
+        elif n == 1:
+            logits = self.step(idx, self._one_token_parts())
         else:
-            logits = self.step(idx)
+            logits = self.step(idx)  # a prompt chunk: eager
         self.fed += n
         return logits
 
-    def step(self, idx: Tensor) -> Tensor:
+    def step(self, idx: Tensor, parts: StepParts = EAGER_PARTS) -> Tensor:
         """The static step: (B, n) tokens at positions ``pos`` … ``pos`` + n − 1 → logits (B, n, V).
-        Shapes depend on (B, n, max_len) alone, nothing is read on the host, state changes in place."""
+        Shapes depend on (B, n, max_len) alone, state changes in place, and nothing is read on the host
+        except, for a "-cond" step outside a CUDA graph, one flag per routed layer (``_routed``)."""
         m = self.model
         slots = _slots(self.pos, idx.shape[1])
         cos, sin = m.rope_cos.index_select(0, slots), m.rope_sin.index_select(0, slots)
@@ -353,42 +413,53 @@ class StaticDecoder(RoutingTally):
         j = 0  # the routed layer's index
         for layer, cache in zip(m.layers, self.caches):
             attn = layer.block.attn
+            # (an attention that exposes its summary to the next router sets a module attribute: kept eager)
+            own = EAGER_PARTS if attn.expose else parts
             if isinstance(layer, RoutedBlock) and self.routed:
-                x = layer.pre_route(x, cos, sin, cache=cache)
-                decide, handoff = layer.decide(x, previous)
+                x, decide, handoff = own.route(layer, cache, x, cos, sin, previous)
                 self.processed[j] += decide.sum()
-                x = self._routed(layer, cache, x, decide, handoff, cos, sin)
+                x = self._routed(own, layer, cache, x, decide, handoff, cos, sin)
                 previous = decide if handoff is None else handoff  # (mor_token_choice: the depths chosen up front)
                 j += 1
             else:
-                x = x + layer.block.delta(x, cos, sin, cache=cache)
+                x = own.dense(layer, cache, x, cos, sin)
             if attn.expose:  # the next router reads this layer's attention (amod)
                 previous = attn.take_exposed()
         self.pos.add_(idx.shape[1])
         return m.head(m.norm(x))
 
-    def _routed(self, layer: RoutedBlock, cache, x: Tensor, decide: Tensor, handoff: object | None,
-                cos: Tensor, sin: Tensor) -> Tensor:
-        """A routed layer's output: the model's own causal path with every row computed, skipped rows'
-        K/V not written (``keep``) and their output the skip rule's (``mix_causal``'s torch.where);
-        under ``cond``, only when some sequence processes the token (module doc)."""
+    def _routed(self, parts: StepParts, layer: RoutedBlock, cache, x: Tensor, decide: Tensor,
+                handoff: object | None, cos: Tensor, sin: Tensor) -> Tensor:
+        """A routed layer's output: ``processed_part``; under ``cond``, ``skipped_part`` instead when no
+        row processes the token (the same value, without the block's work: module doc)."""
 
         def processed(x: Tensor, decide: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-            delta = layer.routed_delta(x, cos, sin, cache=cache, keep=decide)
-            return layer.mix_causal(x, decide, delta, handoff)
+            return parts.processed(layer, cache, handoff, x, decide, cos, sin)
 
         def skipped(x: Tensor, decide: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-            return layer.skipped(x).clone()  # (a branch may not return its input itself)
+            return parts.skipped(layer, x)
 
+        operands = (x, decide, cos, sin)
         if not self.cond or layer.block.attn.expose:
-            return processed(x, decide, cos, sin)
+            return processed(*operands)
         pred = decide.any()
-        if self._capturing or torch.compiler.is_compiling():
-            return torch.cond(pred, processed, skipped, (x, decide, cos, sin))
-        # Eager: torch.cond would trace its branches with Dynamo, check that trace's guards (about 0.5 ms a
-        # call on a CPU) and then run ``processed if pred else skipped`` (torch/_higher_order_ops/cond.py,
-        # cond_op_dense): the same host read and branch, without the guard check.
-        return processed(x, decide, cos, sin) if pred else skipped(x, decide, cos, sin)
+        if torch.compiler.is_compiling():  # the whole step traced: Dynamo keeps both branches
+            return torch.cond(pred, processed, skipped, operands)
+        if self._branching == "capture":  # a CUDA graph: the GPU reads ``pred`` and runs one branch
+            return _if_else_node()(pred, processed, skipped, operands)
+        if self._branching == "warm-up":  # both branches before a capture (lazy set-up, compiles), no host read;
+            skipped(*operands)  # the masked branch alone is always right (an idle layer writes nothing)
+            return processed(*operands)
+        # On the host: what an eager torch.cond does after its Dynamo trace and guard check (about 0.5 ms a
+        # call on a CPU: torch/_higher_order_ops/cond.py, cond_op_dense), without them.
+        return processed(*operands) if pred else skipped(*operands)
+
+    def _one_token_parts(self) -> StepParts:
+        """The parts of a one-token step: compiled for "compile-cond" (built once), else the eager ones."""
+        if self._parts is None:
+            compiled = self.runner == "compile" and self.cond
+            self._parts = compiled_parts(self.compile_backend or "inductor") if compiled else EAGER_PARTS
+        return self._parts
 
     # --- runners -------------------------------------------------------------------------------
     def prepare(self) -> None:
@@ -396,12 +467,14 @@ class StaticDecoder(RoutingTally):
         caches as they were, so that a generation's timing starts at steady state (``generate`` calls
         it before its clock and reports its time as ``Generation.setup_seconds``). Idempotent; nothing
         to do for "eager". Call it under the autocast the steps will run under."""
-        if self.runner == "graph" and self._graph is None:
-            self._capture()
-        elif self.runner == "compile" and self._compiled is None:
+        if self.graphed:
+            if self._graph is None:
+                self._capture()
+        elif self.runner == "compile" and (self._compiled is None if not self.cond else self._parts is None):
+            idx = torch.zeros(self.batch, 1, dtype=torch.long, device=self.pos.device)
             with torch.no_grad(), self._scratch():
                 for _ in range(COMPILE_WARMUP):
-                    self._compiled_step(torch.zeros(self.batch, 1, dtype=torch.long, device=self.pos.device))
+                    self._compiled_step(idx) if not self.cond else self.step(idx, self._one_token_parts())
 
     @contextmanager
     def _scratch(self):
@@ -429,21 +502,22 @@ class StaticDecoder(RoutingTally):
         inside ``_scratch``, so capturing mid-generation changes nothing."""
         device = self.pos.device
         self._graph_idx = torch.zeros(self.batch, 1, dtype=torch.long, device=device)
-        warm_up, capture = _control_flow_modes() if self.cond else (nullcontext, nullcontext)
-        self._capturing = True
+        parts = self._one_token_parts()
         try:
             with self._scratch(), _uncached_autocast(device):
                 side = torch.cuda.Stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side), warm_up():  # (under cond: both branches of every torch.cond)
+                self._branching = "warm-up"
+                with torch.cuda.stream(side):
                     for _ in range(GRAPH_WARMUP):
-                        self.step(self._graph_idx)
+                        self.step(self._graph_idx, parts)
                 torch.cuda.current_stream(device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph), capture():  # (the mode after the graph: it reads the capture stream)
-                    self._graph_out = self.step(self._graph_idx)
+                self._branching = "capture"
+                with torch.cuda.graph(graph):
+                    self._graph_out = self.step(self._graph_idx, parts)
         finally:
-            self._capturing = False
+            self._branching = "host"
         self._graph = graph
 
     def _compiled_step(self, idx: Tensor) -> Tensor:
@@ -452,12 +526,11 @@ class StaticDecoder(RoutingTally):
             if self.compile_backend is not None:
                 self._compiled = torch.compile(self.step, fullgraph=True, dynamic=False, backend=self.compile_backend)
             else:
-                graphs = cuda and not self.cond  # (Inductor will not CUDA-graph a torch.cond: module doc)
-                if graphs:  # in-place updates of these stay inside Inductor's CUDA graph
+                if cuda:  # in-place updates of these stay inside Inductor's CUDA graph
                     for t in self.state():
                         torch._dynamo.mark_static_address(t)
                 self._compiled = torch.compile(self.step, fullgraph=True, dynamic=False,
-                                               mode="reduce-overhead" if graphs else None)
+                                               mode="reduce-overhead" if cuda else None)
         if cuda:
             torch.compiler.cudagraph_mark_step_begin()
         return self._compiled(idx).clone()  # (a CUDA graph's output is overwritten by its next replay)
