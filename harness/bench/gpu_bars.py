@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import platform
 import statistics
 import sys
 import time
@@ -52,6 +50,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from modbench.bench.gpu_decode import environment, fmt
 from modbench.bench.profile_block import block_inputs, build_block, fwd_bwd, time_interleaved, train_step
 from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.model.gpt import GPT
@@ -180,22 +179,6 @@ def measure(cell: Cell, shape: Shape, device: str, dry_run: bool) -> None:
     cell.time_ms, cell.dense_ms = 1e3 * statistics.median(routed_t), 1e3 * statistics.median(dense_t)
 
 
-def environment(device: str) -> dict[str, str]:
-    """What the numbers were measured on."""
-    cpu = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-    return {
-        "device": torch.cuda.get_device_name() if device == "cuda" else cpu,
-        "torch": torch.__version__,
-        "cuda": str(torch.version.cuda),
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
-
-
-def _fmt(x: float | None, digits: int = 2) -> str:
-    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:,.{digits}f}"
-
-
 def markdown(env: dict, shape: Shape, cells: list[Cell]) -> str:
     lines = [
         f"# Routed block and model step: eager, compiled, CUDA graphs ({env['device']})",
@@ -214,8 +197,8 @@ def markdown(env: dict, shape: Shape, cells: list[Cell]) -> str:
         if c.error:
             lines.append(f"| {c.bar} | {c.variant} | {c.mode} | error: {c.error[:80]} | | | | | |")
             continue
-        lines.append(f"| {c.bar} | {c.variant} | {c.mode} | {_fmt(c.time_ms)} | {_fmt(c.dense_ms)} | "
-                     f"{_fmt(c.time_ratio, 3)} | {_fmt(c.flop_ratio, 3)} | {c.verdict} | {_fmt(c.setup_s, 1)} |")
+        lines.append(f"| {c.bar} | {c.variant} | {c.mode} | {fmt(c.time_ms, 2)} | {fmt(c.dense_ms, 2)} | "
+                     f"{fmt(c.time_ratio, 3)} | {fmt(c.flop_ratio, 3)} | {c.verdict} | {fmt(c.setup_s, 1)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -145,8 +145,9 @@ def measure(model: GPT, size: Size, cell: Cell, rounds: int, dry_run: bool) -> N
     cell.decode_tokens_per_s = statistics.median(cell.rounds)
 
 
-def environment(device: torch.device) -> dict[str, str]:
-    """What the numbers were measured on."""
+def environment(device: torch.device | str) -> dict[str, str]:
+    """What the numbers were measured on (this command's and ``gpu_bars``')."""
+    device = torch.device(device)
     cpu = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu,
@@ -157,7 +158,8 @@ def environment(device: torch.device) -> dict[str, str]:
     }
 
 
-def _fmt(x: float | None, digits: int = 0) -> str:
+def fmt(x: float | None, digits: int = 0) -> str:
+    """A table cell: thousands separated, \"—\" for nothing."""
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:,.{digits}f}"
 
 
@@ -188,7 +190,7 @@ def markdown(env: dict, size: Size, variants: list[str], steps: list[str], cells
                     row.append(f"error: {c.error[:60]}")
                 else:
                     share = "" if c.processed_share is None else f" ({c.processed_share:.3f})"
-                    row.append(_fmt(c.decode_tokens_per_s) + share)
+                    row.append(fmt(c.decode_tokens_per_s) + share)
             dense = at.get(("dense", batch, step))
             for v in routed:
                 c = at.get((v, batch, step))
@@ -263,7 +265,7 @@ def _cells(out: Path, name: str, size: Size, device: torch.device, variants: lis
                         if device.type == "cuda":
                             torch.cuda.empty_cache()
                 log(f"{variant:>10} B{batch:<3} {step:>8}: "
-                    f"{cell.error or _fmt(cell.decode_tokens_per_s) + ' tok/s'}")
+                    f"{cell.error or fmt(cell.decode_tokens_per_s) + ' tok/s'}")
                 write(out, name, env, size, variants, steps, cells, dry_run)
     return cells
 
