@@ -174,15 +174,19 @@ def test_compiled_parts_and_the_traced_cond_equal_the_masked_step_bit_for_bit(na
 
 def test_one_compiled_graph_per_part_serves_every_layer():
     """"compile-cond" compiles four parts (route, processed, skipped, dense), not one graph per layer:
-    a model twice as deep compiles no more graphs (and stays far from Dynamo's recompile limit)."""
+    a model twice as deep compiles no more graphs (and stays far from Dynamo's recompile limit), and
+    ``prepare`` compiles them all, so that no compile falls inside a timed generation."""
     counts = []
     for depth, pattern in ((4, "DMMD"), (8, "DMMMMMMD")):
         m = model("sigmoid", ModelConfig(depth=depth, n_embd=32, head_dim=8, max_seq_len=T), pattern=pattern)
         torch._dynamo.reset()
         graphs: list = []
         dec = StaticDecoder(m, 2, 16, runner="compile", cond=True, compile_backend=_recording(graphs))
+        dec.prepare()  # compiles every part, both branches included, before any timed step
+        prepared = len(graphs)
         _fed(dec, torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(7)))
-        counts.append(len(graphs))
+        assert len(graphs) == prepared and dec.processed.sum() > 0  # (decoding compiled nothing more)
+        counts.append(prepared)
     assert counts[0] == counts[1] and 4 <= counts[0] <= 8, counts
 
 

@@ -18,7 +18,7 @@ E·(1 − (1 − 1/E)^b) expert MLPs in expectation (uniform assignment). KV-cac
 over the mean context of the decode steps; a routed layer's cache holds the share s of them).
 Elementwise work (norms, RoPE, softmax, GELU, gathers) and Python overhead count as zero: that is
 the gap this limit exposes. ``peak`` and ``bandwidth`` are measured on the machine
-(``measure_machine``: a large fp32 matmul and a large copy).
+(``measure_machine``: a large matmul and a large copy, in the dtype of the weights, on the CPU or the GPU).
 
 ``speedup_limit`` = dense step time / routed step time under this model, the attainable speed-up;
 a measured speed-up ÷ it is the share of the attainable speed-up realised.
@@ -151,24 +151,29 @@ def _dense_layer(attn_w: int, gate_w: int, expert_w: int, experts: int, attn_flo
 
 
 # --- the machine ------------------------------------------------------------------------------
-def _best_seconds(fn, repeats: int) -> float:
+def _best_seconds(fn, repeats: int, device: str = "cpu") -> float:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     fn()  # warm-up
+    sync()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - t0)
     return best
 
 
-def measure_machine(*, matmul_size: int = 1024, copy_mib: int = 256, repeats: int = 5) -> Machine:
-    """Peak FLOP/s of an fp32 (n × n)·(n × n) matmul and the bandwidth of copying ``copy_mib``
-    MiB (bytes read + written), at the current ``torch.get_num_threads()``; best of ``repeats``
-    (the machine's capability, not its load)."""
-    a = torch.randn(matmul_size, matmul_size)
-    b = torch.randn(matmul_size, matmul_size)
-    peak = 2.0 * matmul_size**3 / _best_seconds(lambda: torch.mm(a, b), repeats)
-    n = copy_mib * 2**20 // 4
-    src, dst = torch.randn(n), torch.empty(n)
-    bandwidth = 2.0 * n * 4 / _best_seconds(lambda: dst.copy_(src), repeats)
+def measure_machine(*, matmul_size: int = 1024, copy_mib: int = 256, repeats: int = 5, device: str = "cpu",
+                    dtype: torch.dtype = torch.float32) -> Machine:
+    """Peak FLOP/s of a ``dtype`` (n × n)·(n × n) matmul and the bandwidth of copying ``copy_mib``
+    MiB (bytes read + written) on ``device`` (a CPU: at the current ``torch.get_num_threads()``); best
+    of ``repeats`` (the machine's capability, not its load). A GPU's decode runs bf16 weights: measure
+    it with ``dtype=torch.bfloat16`` and a matmul large enough to fill it (``gpu_decode`` uses 8192)."""
+    a = torch.randn(matmul_size, matmul_size, device=device, dtype=dtype)
+    b = torch.randn(matmul_size, matmul_size, device=device, dtype=dtype)
+    peak = 2.0 * matmul_size**3 / _best_seconds(lambda: torch.mm(a, b), repeats, device)
+    n = copy_mib * 2**20 // a.element_size()
+    src, dst = torch.randn(n, device=device, dtype=dtype), torch.empty(n, device=device, dtype=dtype)
+    bandwidth = 2.0 * n * a.element_size() / _best_seconds(lambda: dst.copy_(src), repeats, device)
     return Machine(peak_flops=peak, bandwidth=bandwidth)

@@ -25,6 +25,12 @@ one warm-up generation, with each decoder of ``modbench.model.decode.generate``:
   host); "static-cond" branches on the host (a sync per routed layer on CUDA). For dense they equal
   their plain step.
 
+The table ends with issue 38's bars: the fastest dense step at each batch (its bar is the issue's H100
+figure), and each routed step's speed-up over it as a share of the roofline's (``decode_roofline``:
+per layer max(FLOPs / peak, bytes / bandwidth), a routed layer reading its weights only when some
+sequence processes the token, at the realised per-layer shares), peak and bandwidth measured on the
+device in the weights' dtype (``measure_machine``).
+
 One decoder per (variant, batch, step) serves its warm-up and timed generations (``reset``), so a
 capture or a compile happens once. A cell that fails (a compile error, out of memory) records its
 error in one line and the run goes on; the table and the JSON are rewritten after every cell, so a
@@ -58,6 +64,7 @@ from pathlib import Path
 
 import torch
 
+from modbench.bench import decode_roofline
 from modbench.bench.decode_calibration import move_cuts_to_capacity
 from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.model.decode import CUDA_ONLY_STEPS, STEPS, generate
@@ -66,6 +73,8 @@ from modbench.model.static_decode import StaticDecoder
 
 CAPACITY = 0.125
 PATTERN = "fixed:1,1"
+DENSE_BAR_H100 = {1: 1_400, 8: 11_000, 64: 58_000}  # issue 38: dense decode tokens/s on an H100
+REALISED_BAR = 0.60  # issue 38: a routed step's speed-up ≥ 60 % of its roofline speed-up over that dense
 # the default order: the compiles (slowest to set up) last
 DEFAULT_STEPS = ("dynamic", "static", "static-cond", "graph", "graph-cond", "compile", "compile-cond")
 
@@ -97,6 +106,8 @@ class Cell:
     rounds: list[float] = field(default_factory=list)  # decode tokens/s of each timed generation
     setup_s: float | None = None  # capture / compile (first generation's ``setup_seconds``)
     processed_share: float | None = None  # routed layers' realised share in the last generation
+    layer_shares: list[float] | None = None  # per routed layer, in the last generation
+    roofline: float | None = None  # attainable speed-up over dense at this batch (``decode_roofline``)
     error: str | None = None
 
 
@@ -127,6 +138,20 @@ def _decoder(model: GPT, size: Size, batch: int, step: str, dry_run: bool) -> St
                          compile_backend="eager" if dry_run and runner == "compile" else None)
 
 
+def roofline(model: GPT, size: Size, cell: Cell, machine: decode_roofline.Machine) -> float | None:
+    """The routed model's attainable decode speed-up over dense at the cell's batch and realised
+    per-layer shares (``modbench.bench.decode_roofline``, over the mean context of the decode steps)."""
+    if cell.layer_shares is None:
+        return None
+    with torch.device("meta"):
+        dense = GPT(model.cfg)
+    width = getattr(torch, size.dtype).itemsize
+    context = size.prompt + size.new_tokens / 2
+    return decode_roofline.speedup_limit(decode_roofline.model_costs(dense, context, bytes_per_value=width),
+                                         decode_roofline.model_costs(model, context, cell.layer_shares, width),
+                                         cell.batch, machine)
+
+
 def measure(model: GPT, size: Size, cell: Cell, rounds: int, dry_run: bool) -> None:
     """Fill ``cell``: one warm-up generation, then ``rounds`` timed ones (their median)."""
     device = model.head.weight.device
@@ -142,6 +167,7 @@ def measure(model: GPT, size: Size, cell: Cell, rounds: int, dry_run: bool) -> N
         else:
             cell.rounds.append(gen.decode_tokens_per_s)
         cell.processed_share = None if not model.routers else 1.0 - gen.skipped_fraction
+        cell.layer_shares = list(gen.processed_shares) if model.routers else None
     cell.decode_tokens_per_s = statistics.median(cell.rounds)
 
 
@@ -163,9 +189,10 @@ def fmt(x: float | None, digits: int = 0) -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:,.{digits}f}"
 
 
-def markdown(env: dict, size: Size, variants: list[str], steps: list[str], cells: list[Cell]) -> str:
-    """Decode tokens/s per (batch, step), one column per variant, routed ÷ dense, and the static
-    steps' speed-up over the old decoder."""
+def markdown(env: dict, size: Size, variants: list[str], steps: list[str], cells: list[Cell],
+             machine: decode_roofline.Machine) -> str:
+    """Decode tokens/s per (batch, step), one column per variant, routed ÷ dense, the static steps'
+    speed-up over the old decoder, and the bars of issue 38."""
     at = {(c.variant, c.batch, c.step): c for c in cells}
     routed = [v for v in variants if v != "dense"]
     lines = [
@@ -213,16 +240,49 @@ def markdown(env: dict, size: Size, variants: list[str], steps: list[str], cells
     if setups:
         lines += ["", "Set-up (capture or compile, once per variant, batch and step): " +
                   ", ".join(f"{c.variant} B{c.batch} {c.step} {c.setup_s:.1f} s" for c in setups) + "."]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + bars(env, size, cells, machine)) + "\n"
+
+
+def bars(env: dict, size: Size, cells: list[Cell], machine: decode_roofline.Machine) -> list[str]:
+    """Issue 38's decode bars against this run: the fastest dense step at each batch (its bar is an
+    H100 figure), and each routed step's speed-up over that dense, as a share of the roofline's."""
+    timed = [c for c in cells if c.decode_tokens_per_s]
+    lines = ["", f"Bars of issue 38. Roofline machine measured here: peak {machine.peak_flops / 1e12:.1f} TFLOP/s, "
+             f"bandwidth {machine.bandwidth / 1e9:,.0f} GB/s ({size.dtype}); the dense bar is the issue's H100 figure "
+             f"(0.7× a compiled static-cache decoder); a routed step's bar: its speed-up over the fastest dense step at "
+             f"that batch ≥ {REALISED_BAR:.0%} of the roofline's.", "",
+             "| batch | variant | step | tok/s | fastest dense (step) | speed-up | roofline | realised | bar |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for batch in size.batches:
+        dense = max((c for c in timed if c.variant == "dense" and c.batch == batch),
+                    key=lambda c: c.decode_tokens_per_s, default=None)
+        if dense is None:
+            continue
+        bar = DENSE_BAR_H100.get(batch)
+        if bar is None:
+            verdict = "—"
+        elif "H100" not in env["device"]:
+            verdict = f"(H100: ≥ {bar:,}; not an H100)"
+        else:
+            verdict = f"{'met' if dense.decode_tokens_per_s >= bar else 'MISSED'} (≥ {bar:,})"
+        lines.append(f"| {batch} | dense | {dense.step} | {fmt(dense.decode_tokens_per_s)} | | | | | {verdict} |")
+        for c in (c for c in timed if c.variant != "dense" and c.batch == batch):
+            speedup = c.decode_tokens_per_s / dense.decode_tokens_per_s
+            realised = speedup / c.roofline if c.roofline else None
+            ok = "—" if realised is None else f"{'met' if realised >= REALISED_BAR else 'MISSED'}"
+            lines.append(f"| {batch} | {c.variant} | {c.step} | {fmt(c.decode_tokens_per_s)} | "
+                         f"{fmt(dense.decode_tokens_per_s)} ({dense.step}) | {speedup:.2f}× | {fmt(c.roofline, 2)}× | "
+                         f"{'—' if realised is None else f'{realised:.0%}'} | {ok} |")
+    return lines
 
 
 def write(out: Path, name: str, env: dict, size: Size, variants: list[str], steps: list[str], cells: list[Cell],
-          dry_run: bool) -> None:
+          dry_run: bool, machine: decode_roofline.Machine) -> None:
     out.mkdir(parents=True, exist_ok=True)
     record = {"environment": env, "size": asdict(size), "capacity": CAPACITY, "pattern": PATTERN, "dry_run": dry_run,
-              "variants": variants, "steps": steps, "cells": [asdict(c) for c in cells]}
+              "machine": asdict(machine), "variants": variants, "steps": steps, "cells": [asdict(c) for c in cells]}
     (out / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(env, size, variants, steps, cells))
+    (out / f"{name}.md").write_text(markdown(env, size, variants, steps, cells, machine))
 
 
 def run(out: Path, name: str, *, variants: list[str], steps: list[str], batches: tuple[int, ...] | None = None,
@@ -246,6 +306,7 @@ def run(out: Path, name: str, *, variants: list[str], steps: list[str], batches:
 def _cells(out: Path, name: str, size: Size, device: torch.device, variants: list[str], steps: list[str], rounds: int,
            dry_run: bool, log) -> list[Cell]:
     env = environment(device)
+    machine = measure_machine(size, device, dry_run)
     models = {variant: _model(size, variant, device) for variant in variants}
     cells: list[Cell] = []
     for step in steps:  # step by step: the compiles (slowest to set up) come last, after every other cell
@@ -258,6 +319,7 @@ def _cells(out: Path, name: str, size: Size, device: torch.device, variants: lis
                 else:
                     try:
                         measure(models[variant], size, cell, rounds, dry_run)
+                        cell.roofline = roofline(models[variant], size, cell, machine)
                     except Exception as e:  # one failed cell (compile, memory) must not lose the others
                         cell.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:200]
                     finally:  # each cell compiles its own decoder: Dynamo's recompile limit (8) is per code object
@@ -266,8 +328,17 @@ def _cells(out: Path, name: str, size: Size, device: torch.device, variants: lis
                             torch.cuda.empty_cache()
                 log(f"{variant:>10} B{batch:<3} {step:>8}: "
                     f"{cell.error or fmt(cell.decode_tokens_per_s) + ' tok/s'}")
-                write(out, name, env, size, variants, steps, cells, dry_run)
+                write(out, name, env, size, variants, steps, cells, dry_run, machine)
     return cells
+
+
+def measure_machine(size: Size, device: torch.device, dry_run: bool) -> decode_roofline.Machine:
+    """The roofline's peak and bandwidth in the weights' dtype: on a GPU a bf16 8192³ matmul and a 1 GiB
+    copy; on a CPU the CPU decode table's fp32 1024³ and 256 MiB (the dry run: small and quick)."""
+    big = device.type == "cuda"
+    return decode_roofline.measure_machine(matmul_size=8192 if big else 256 if dry_run else 1024,
+                                           copy_mib=1024 if big else 16 if dry_run else 256,
+                                           device=device.type, dtype=getattr(torch, size.dtype))
 
 
 def main(argv: list[str] | None = None) -> int:

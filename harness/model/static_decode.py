@@ -470,11 +470,25 @@ class StaticDecoder(RoutingTally):
         if self.graphed:
             if self._graph is None:
                 self._capture()
-        elif self.runner == "compile" and (self._compiled is None if not self.cond else self._parts is None):
+        elif self.runner == "compile" and not self.cond and self._compiled is None:
             idx = torch.zeros(self.batch, 1, dtype=torch.long, device=self.pos.device)
             with torch.no_grad(), self._scratch():
                 for _ in range(COMPILE_WARMUP):
-                    self._compiled_step(idx) if not self.cond else self.step(idx, self._one_token_parts())
+                    self._compiled_step(idx)
+        elif self.runner == "compile" and self._parts is None:  # compiled parts, both branches of each
+            idx = torch.zeros(self.batch, 1, dtype=torch.long, device=self.pos.device)
+            with torch.no_grad(), self._scratch(), self._branching_as("warm-up"):
+                for _ in range(COMPILE_WARMUP):
+                    self.step(idx, self._one_token_parts())
+
+    @contextmanager
+    def _branching_as(self, how: str):
+        """``_routed`` branches ``how`` ("warm-up", "capture") inside, on the host again after."""
+        self._branching = how
+        try:
+            yield
+        finally:
+            self._branching = "host"
 
     @contextmanager
     def _scratch(self):
@@ -503,21 +517,16 @@ class StaticDecoder(RoutingTally):
         device = self.pos.device
         self._graph_idx = torch.zeros(self.batch, 1, dtype=torch.long, device=device)
         parts = self._one_token_parts()
-        try:
-            with self._scratch(), _uncached_autocast(device):
-                side = torch.cuda.Stream(device)
-                side.wait_stream(torch.cuda.current_stream(device))
-                self._branching = "warm-up"
-                with torch.cuda.stream(side):
-                    for _ in range(GRAPH_WARMUP):
-                        self.step(self._graph_idx, parts)
-                torch.cuda.current_stream(device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                self._branching = "capture"
-                with torch.cuda.graph(graph):
-                    self._graph_out = self.step(self._graph_idx, parts)
-        finally:
-            self._branching = "host"
+        with self._scratch(), _uncached_autocast(device):
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side), self._branching_as("warm-up"):
+                for _ in range(GRAPH_WARMUP):
+                    self.step(self._graph_idx, parts)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph), self._branching_as("capture"):
+                self._graph_out = self.step(self._graph_idx, parts)
         self._graph = graph
 
     def _compiled_step(self, idx: Tensor) -> Tensor:

@@ -35,6 +35,12 @@ def test_dry_run_writes_every_cell(tmp_path, capsys):
         if variant == "sigmoid":
             assert 0.0 < c["processed_share"] < 0.5  # routed layers moved to C = 0.125 (a tiny sample)
     assert "| 1 | static |" in md and "sigmoid ÷ dense" in md and "Speed-up of each static step" in md
+    assert record["machine"]["peak_flops"] > 0 and record["machine"]["bandwidth"] > 0
+    for (variant, batch, step), c in cells.items():  # the roofline of the routed cells: > 1 (routing can save)
+        assert (c["roofline"] is None) == (variant == "dense" or c["error"] is not None)
+        assert c["roofline"] is None or 1.0 < c["roofline"] < 8.0
+    assert "Bars of issue 38" in md and "(H100: ≥ 1,400; not an H100)" in md
+    assert md.count("| sigmoid | static-cond |") == 2  # one bar row per batch
     assert "| 2 | graph-cond |" in md and "Set-up (capture or compile" in md and "B2 compile-cond" in md
     assert md.count("\n| ") >= 2 * 7 + 4 and "decode-static-dry.md" in capsys.readouterr().out
 
