@@ -251,11 +251,14 @@ def skipped_part(layer: RoutedBlock, x: Tensor) -> Tensor:
 
 
 def dense_part(layer, cache, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """A plain layer (or a routed one under mode "dense") on every row."""
     return x + layer.block.delta(x, cos, sin, cache=cache)
 
 
 @dataclass(frozen=True)
 class StepParts:
+    """The four parts a step calls: the functions above, or compiled forms of them."""
+
     route: Callable
     processed: Callable
     skipped: Callable
