@@ -186,7 +186,7 @@ clean:
 # does not stop the bench), then dense and sigmoid fixed:1,1 C = 0.125 at batch 1, 8 and 64, the old decoder against
 # the static step (eager, CUDA graph, compiled; masked and under torch.cond), one process → $(or $(OUT),reports/bench)/
 # decode-static-<gpu>.md and .json (modbench.bench.gpu_decode; --dry-run is its CPU check, tests/bench/test_gpu_decode.py).
-# STEPS=dynamic,static,static-cond,graph,graph-cond skips the compiled cells (each compiles the whole 12-layer step).
+# STEPS=dynamic,graph,graph-cond,reference-graph skips the compiled cells (each compiles the whole 12-layer step).
 .PHONY: gpu-decode-bench
 gpu-decode-bench: gpu-pkg
 	mkdir -p $(or $(OUT),reports/bench)

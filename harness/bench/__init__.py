@@ -2,7 +2,8 @@
 
 Owns: ``profile_block``, ``table``, ``decode_roofline``, ``decode_calibration`` (routers moved to a
 capacity for timing decoding), ``gpu_decode`` (the GPU decode bench: old decoder vs the static step, masked and
-under ``torch.cond``), ``gpu_bars`` (the routed block's and the model step's bars, eager, compiled and under CUDA
+under ``torch.cond``, with ``reference_decoder``, the plain decoder its dense bar is measured against),
+``gpu_bars`` (the routed block's and the model step's bars, eager, compiled and under CUDA
 graphs) and ``dense_layer`` (where the dense layer's eager time goes).
 May import: ``modbench.errors``, ``config``, ``variants`` and ``model`` (FLOPs come from the model's own counter).
 """

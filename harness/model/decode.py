@@ -388,7 +388,9 @@ def generate(
 
     ``step``: which decoder (module doc; "auto" by default). ``decoder``: a ``StaticDecoder`` built
     before (for this batch, at least P + max_new_tokens − 1 long) to reuse, reset first: its captured
-    CUDA graph or compiled step serves this generation too (``step`` is then its runner)."""
+    CUDA graph or compiled step serves this generation too (``step`` is then its ``step_name``). Any
+    decoder with the same members (``model``, ``batch``, ``max_len``, ``mode``, ``reset``, ``prepare``,
+    ``step_name``, the tallies) can be passed: ``modbench.bench.reference_decoder``'s is one."""
     if prompt.dim() != 2 or prompt.shape[1] < 1:
         raise ModbenchError("the prompt must hold at least one token per sequence")
     if max_new_tokens < 1:
@@ -410,7 +412,7 @@ def generate(
             decoder.reset()
             step = decoder.step_name
         setup = time.perf_counter()
-        if isinstance(decoder, StaticDecoder):
+        if hasattr(decoder, "prepare"):  # a static step (or the bench's reference decoder)
             with autocast or nullcontext():
                 decoder.prepare()  # a capture or compile, outside the timed generation
         _sync(device)

@@ -203,6 +203,25 @@ def _uncached_autocast(device: torch.device):
     return torch.autocast(device.type, dtype=torch.get_autocast_dtype(device.type), cache_enabled=False)
 
 
+def capture_cuda_graph(step: Callable[[Tensor], Tensor], idx: Tensor, warmup: int = GRAPH_WARMUP, *,
+                       warming: Callable = nullcontext, capturing: Callable = nullcontext) -> tuple:
+    """(graph, output): ``step(idx)`` captured in a ``torch.cuda.CUDAGraph``, after ``warmup`` eager calls
+    on a side stream (as ``torch.cuda.graphs`` asks: lazy cuBLAS and SDPA set-up happen outside the
+    capture), each phase inside its context (``warming()``, ``capturing()``). Replay after copying the
+    next input into ``idx``; the output tensor is overwritten by each replay."""
+    device = idx.device
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side), warming():
+        for _ in range(warmup):
+            step(idx)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), capturing():
+        out = step(idx)
+    return graph, out
+
+
 def _if_else_node() -> Callable:
     """torch's capture of a branch as CUDA graph conditional nodes (``if_else_node(pred, true_fn,
     false_fn, operands)``, what Inductor's CUDA-graph trees run a ``torch.cond`` with); a torch
@@ -521,16 +540,9 @@ class StaticDecoder(RoutingTally):
         self._graph_idx = torch.zeros(self.batch, 1, dtype=torch.long, device=device)
         parts = self._one_token_parts()
         with self._scratch(), _uncached_autocast(device):
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side), self._branching_as("warm-up"):
-                for _ in range(GRAPH_WARMUP):
-                    self.step(self._graph_idx, parts)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph), self._branching_as("capture"):
-                self._graph_out = self.step(self._graph_idx, parts)
-        self._graph = graph
+            self._graph, self._graph_out = capture_cuda_graph(
+                lambda idx: self.step(idx, parts), self._graph_idx,
+                warming=lambda: self._branching_as("warm-up"), capturing=lambda: self._branching_as("capture"))
 
     def _compiled_step(self, idx: Tensor) -> Tensor:
         cuda = self.pos.device.type == "cuda"

@@ -22,11 +22,12 @@ def test_dry_run_writes_every_cell(tmp_path, capsys):
     assert record["dry_run"] and record["environment"]["torch"] == torch.__version__
     assert record["environment"]["device"].startswith("cpu") and record["environment"]["python"]
     cells = {(c["variant"], c["batch"], c["step"]): c for c in record["cells"]}
-    assert set(cells) == {(v, b, s) for v in ("dense", "sigmoid") for b in (1, 2)
-                          for s in gpu_decode.DEFAULT_STEPS}
-    assert set(gpu_decode.DEFAULT_STEPS) == set(gpu_decode.STEPS)  # every decoder of generate is timed
+    assert set(cells) == {(v, b, s) for v in ("dense", "sigmoid") for b in (1, 2) for s in gpu_decode.DEFAULT_STEPS
+                          if v == "dense" or s not in gpu_decode.REFERENCE_STEPS}  # the yardstick: dense only
+    # every decoder of generate is timed, and the reference decoder beside them
+    assert set(gpu_decode.DEFAULT_STEPS) == set(gpu_decode.STEPS) | set(gpu_decode.REFERENCE_STEPS)
     for (variant, batch, step), c in cells.items():
-        if step.startswith("graph"):
+        if step.endswith("graph") or step == "graph-cond":
             assert c["error"].startswith("n/a") and c["decode_tokens_per_s"] is None
             continue
         assert c["error"] is None, c
@@ -39,10 +40,10 @@ def test_dry_run_writes_every_cell(tmp_path, capsys):
     for (variant, batch, step), c in cells.items():  # the roofline of the routed cells: > 1 (routing can save)
         assert (c["roofline"] is None) == (variant == "dense" or c["error"] is not None)
         assert c["roofline"] is None or 1.0 < c["roofline"] < 8.0
-    assert "Bars of issue 38" in md and "(H100: ≥ 1,400; not an H100)" in md
+    assert "Bars of issue 38" in md and "(H100: ≥ 1,400; not an H100)" in md and "the compiled reference (" in md
     assert md.count("| sigmoid | static-cond |") == 2  # one bar row per batch
     assert "| 2 | graph-cond |" in md and "Set-up (capture or compile" in md and "B2 compile-cond" in md
-    assert md.count("\n| ") >= 2 * 7 + 4 and "decode-static-dry.md" in capsys.readouterr().out
+    assert md.count("\n| ") >= 2 * 9 + 4 and "decode-static-dry.md" in capsys.readouterr().out
 
 
 def test_a_failing_cell_is_recorded_and_the_rest_run(tmp_path, monkeypatch):
