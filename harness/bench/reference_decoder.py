@@ -8,13 +8,20 @@ process, on the same device, as the decoders it judges ("reference-graph", "refe
 
 What it is: the weights of a dense ``GPT`` read straight from its modules, and one function that runs
 them: embedding; per layer RMSNorm, the fused qkv projection, RoPE on the two halves of each head, the
-new K/V written at its slot of a preallocated cache (layers, B, H, max_len, hd), SDPA over every slot
+new K/V written at its slot of a preallocated cache (per layer B, H, max_len, hd), SDPA over every slot
 with one (n, max_len) visibility mask (slot ≤ position), the output projection, RMSNorm and the
 tanh-GELU MLP; the final RMSNorm and the head. No routing, no cache objects, no per-layer Python
 beyond the loop. The position is a device tensor, so the one-token step has static shapes and no host
 read. Hand-written because it is the measuring stick: a library decoder would be a different model.
 Tests (tests/bench/test_reference_decoder.py) check that it gives modbench's dense logits, so both
 decode the same model.
+
+A caveat measured on this project's CPU (torch 2.13, Inductor, d 512, one thread): compiled, this
+step is as fast as modbench's at batch 1 but half as fast at batch 64. A profile shows the whole cache
+copied on every step (functionalised ``index_copy`` plus ``copy_`` back, which Inductor reinplaces in
+modbench's compiled step and not here; the eager steps are equally fast). Where the reference is the
+slower of the two, the dense bar against it is too easy, and the table shows it: read that batch's
+bar with the other decoders' numbers.
 
 It speaks the decoder protocol ``modbench.model.decode.generate`` drives (``prepare``, ``reset``,
 ``__call__``, ``step_name`` and the routing tallies, which are those of a dense model).
@@ -60,9 +67,11 @@ class ReferenceDecoder:
         self.compile_backend = compile_backend  # (tests and the dry run: "eager", Dynamo's tracing alone)
         cfg, w = model.cfg, model.head.weight
         self.heads, self.head_dim = cfg.heads, cfg.width // cfg.heads
-        shape = (len(model.layers), batch, self.heads, max_len, self.head_dim)
-        self.k = torch.zeros(shape, device=w.device, dtype=w.dtype)
-        self.v = torch.zeros_like(self.k)
+        # One tensor per layer (a compiled step that wrote into a view of one stacked tensor would copy all
+        # of it back, every layer of every step).
+        shape = (batch, self.heads, max_len, self.head_dim)
+        self.k = [torch.zeros(shape, device=w.device, dtype=w.dtype) for _ in model.layers]
+        self.v = [torch.zeros_like(k) for k in self.k]
         self.pos = torch.zeros((), dtype=torch.long, device=w.device)
         self.fed = 0
         self._graph = self._graph_idx = self._graph_out = self._compiled = None
@@ -74,21 +83,25 @@ class ReferenceDecoder:
     @property
     def kv_bytes_per_token(self) -> float:
         """Every token's K and V at every layer (a dense model caches all of them)."""
-        layers, _, heads, _, hd = self.k.shape
-        return 2.0 * layers * heads * hd * self.k.element_size()
+        _, heads, _, hd = self.k[0].shape
+        return 2.0 * len(self.k) * heads * hd * self.k[0].element_size()
+
+    def state(self) -> list[Tensor]:
+        """Every tensor a step mutates in place."""
+        return [*self.k, *self.v, self.pos]
 
     def reset(self) -> None:
-        for t in (self.k, self.v, self.pos):
+        for t in self.state():
             t.zero_()
         self.fed = 0
 
-    @torch.no_grad()
     def step(self, idx: Tensor) -> Tensor:
         m = self.model
         B, n = idx.shape
         slots = self.pos + torch.arange(n, device=idx.device)
         cos, sin = m.rope_cos.index_select(0, slots), m.rope_sin.index_select(0, slots)
         visible = torch.arange(self.max_len, device=idx.device) <= slots.unsqueeze(-1)  # (n, L)
+        mask = visible.expand(B, 1, n, self.max_len)
         x = m.embed(idx)
         for i, layer in enumerate(m.layers):
             b = layer.block
@@ -96,7 +109,7 @@ class ReferenceDecoder:
             q, k, v = F.linear(h, b.attn.qkv.weight).view(B, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
             self.k[i].index_copy_(2, slots, _rope(k, cos, sin))
             self.v[i].index_copy_(2, slots, v)
-            y = F.scaled_dot_product_attention(_rope(q, cos, sin), self.k[i], self.v[i], attn_mask=visible)
+            y = F.scaled_dot_product_attention(_rope(q, cos, sin), self.k[i], self.v[i], attn_mask=mask)
             x = x + F.linear(y.transpose(1, 2).reshape(B, n, -1), b.attn.proj.weight)
             h = F.rms_norm(x, (x.shape[-1],), b.norm2.weight, b.norm2.eps)
             x = x + F.linear(F.gelu(F.linear(h, b.mlp.fc.weight), approximate="tanh"), b.mlp.proj.weight)
@@ -104,10 +117,11 @@ class ReferenceDecoder:
         x = F.rms_norm(x, (x.shape[-1],), m.norm.weight, m.norm.eps)
         return F.linear(x, m.head.weight)
 
+    @torch.no_grad()
     def prepare(self) -> None:
         """Capture ("graph") or compile ("compile") the one-token step, leaving the cache as it was."""
         idx = torch.zeros(self.batch, 1, dtype=torch.long, device=self.pos.device)
-        saved = (self.k.clone(), self.v.clone(), self.pos.clone())
+        saved = [t.clone() for t in self.state()]
         if self.runner == "graph" and self._graph is None:
             self._graph_idx = idx
             self._graph, self._graph_out = capture_cuda_graph(self.step, idx)
@@ -115,11 +129,14 @@ class ReferenceDecoder:
             if self.compile_backend is not None:
                 self._compiled = torch.compile(self.step, fullgraph=True, dynamic=False, backend=self.compile_backend)
             else:
+                if idx.is_cuda:  # in-place updates of these stay inside Inductor's CUDA graph
+                    for t in self.state():
+                        torch._dynamo.mark_static_address(t)
                 self._compiled = torch.compile(self.step, fullgraph=True, dynamic=False,
                                                mode="reduce-overhead" if idx.is_cuda else None)
             for _ in range(COMPILE_WARMUP):
                 self._compiled_step(idx)
-        for t, s in zip((self.k, self.v, self.pos), saved):
+        for t, s in zip(self.state(), saved):
             t.copy_(s)
 
     def _compiled_step(self, idx: Tensor) -> Tensor:
