@@ -16,12 +16,12 @@ read. Hand-written because it is the measuring stick: a library decoder would be
 Tests (tests/bench/test_reference_decoder.py) check that it gives modbench's dense logits, so both
 decode the same model.
 
-A caveat measured on this project's CPU (torch 2.13, Inductor, d 512, one thread): compiled, this
-step is as fast as modbench's at batch 1 but half as fast at batch 64. A profile shows the whole cache
-copied on every step (functionalised ``index_copy`` plus ``copy_`` back, which Inductor reinplaces in
-modbench's compiled step and not here; the eager steps are equally fast). Where the reference is the
-slower of the two, the dense bar against it is too easy, and the table shows it: read that batch's
-bar with the other decoders' numbers.
+A caveat measured on this project's CPU (torch 2.13, Inductor, d 512, one thread; reports/bench/
+decode-static-cpu.md): compiled, this step runs at 0.80–0.86× modbench's compiled dense step, where
+the two eager steps are equally fast. A profile shows the cache copied back on every step
+(a functionalised ``index_copy`` and a ``copy_``), which Inductor reinplaces in modbench's compiled
+step and not here. Where the reference is the slower of the two, the dense bar against it is too
+easy, and the table shows that: read that batch's bar beside the other decoders' numbers.
 
 It speaks the decoder protocol ``modbench.model.decode.generate`` drives (``prepare``, ``reset``,
 ``__call__``, ``step_name`` and the routing tallies, which are those of a dense model).
