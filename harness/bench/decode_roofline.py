@@ -150,6 +150,16 @@ def _dense_layer(attn_w: int, gate_w: int, expert_w: int, experts: int, attn_flo
                      routed_token_bytes=kv_bytes, experts=experts, expert_bytes=expert_w * bytes_per_value)
 
 
+def dense_and_routed_costs(model: GPT, context: float, shares: list[float],
+                           bytes_per_value: int = 4) -> tuple[list[LayerCost], list[LayerCost]]:
+    """(the dense GPT of ``model``'s shape, ``model`` at its routed layers' realised ``shares``): the two
+    cost lists ``speedup_limit`` and ``step_time`` compare. The dense twin is built on the meta device."""
+    with torch.device("meta"):
+        dense = GPT(model.cfg)
+    return (model_costs(dense, context, bytes_per_value=bytes_per_value),
+            model_costs(model, context, shares, bytes_per_value=bytes_per_value))
+
+
 # --- the machine ------------------------------------------------------------------------------
 def _best_seconds(fn, repeats: int, device: str = "cpu") -> float:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)

@@ -114,11 +114,11 @@ def compiled(module: torch.nn.Module, mode: str, dry_run: bool) -> Callable:
     return torch.compile(module, fullgraph=True, mode="reduce-overhead" if mode == "cudagraphs" else None)
 
 
-def _stepped(step: Callable[[], Tensor], mode: str, cuda: bool) -> Callable[[], float]:
+def _stepped(step: Callable[[], Tensor], mode: str, cuda: bool) -> Callable[[], None]:
     """``step`` as a timed call: a new CUDA-graph step begins first (cudagraphs), the GPU is waited
     for after, and the output is checked finite before the next replay can overwrite it."""
 
-    def call() -> float:
+    def call() -> None:
         if mode == "cudagraphs":
             torch.compiler.cudagraph_mark_step_begin()
         out = step()
@@ -126,7 +126,6 @@ def _stepped(step: Callable[[], Tensor], mode: str, cuda: bool) -> Callable[[], 
             torch.cuda.synchronize()
         if not torch.isfinite(out).all():
             raise FloatingPointError("a non-finite output")
-        return 0.0
 
     return call
 

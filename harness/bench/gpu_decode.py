@@ -156,13 +156,9 @@ def roofline(model: GPT, size: Size, cell: Cell, machine: decode_roofline.Machin
     per-layer shares (``modbench.bench.decode_roofline``, over the mean context of the decode steps)."""
     if cell.layer_shares is None:
         return None
-    with torch.device("meta"):
-        dense = GPT(model.cfg)
-    width = getattr(torch, size.dtype).itemsize
-    context = size.prompt + size.new_tokens / 2
-    return decode_roofline.speedup_limit(decode_roofline.model_costs(dense, context, bytes_per_value=width),
-                                         decode_roofline.model_costs(model, context, cell.layer_shares, width),
-                                         cell.batch, machine)
+    dense, routed = decode_roofline.dense_and_routed_costs(model, size.prompt + size.new_tokens / 2, cell.layer_shares,
+                                                           bytes_per_value=getattr(torch, size.dtype).itemsize)
+    return decode_roofline.speedup_limit(dense, routed, cell.batch, machine)
 
 
 def measure(model: GPT, size: Size, cell: Cell, rounds: int, dry_run: bool) -> None:

@@ -34,16 +34,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from modbench.errors import ModbenchError, accepted
-from modbench.model.gpt import GPT, MLP, DenseLayer
+from modbench.model.gpt import GPT, MLP, DenseLayer, apply_rope
 from modbench.model.static_decode import COMPILE_WARMUP, capture_cuda_graph
 
 RUNNERS = ("eager", "graph", "compile")
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
 class ReferenceDecoder:
@@ -107,9 +101,9 @@ class ReferenceDecoder:
             b = layer.block
             h = F.rms_norm(x, (x.shape[-1],), b.norm1.weight, b.norm1.eps)
             q, k, v = F.linear(h, b.attn.qkv.weight).view(B, n, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-            self.k[i].index_copy_(2, slots, _rope(k, cos, sin))
+            self.k[i].index_copy_(2, slots, apply_rope(k, cos, sin))
             self.v[i].index_copy_(2, slots, v)
-            y = F.scaled_dot_product_attention(_rope(q, cos, sin), self.k[i], self.v[i], attn_mask=mask)
+            y = F.scaled_dot_product_attention(apply_rope(q, cos, sin), self.k[i], self.v[i], attn_mask=mask)
             x = x + F.linear(y.transpose(1, 2).reshape(B, n, -1), b.attn.proj.weight)
             h = F.rms_norm(x, (x.shape[-1],), b.norm2.weight, b.norm2.eps)
             x = x + F.linear(F.gelu(F.linear(h, b.mlp.fc.weight), approximate="tanh"), b.mlp.proj.weight)

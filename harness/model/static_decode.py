@@ -454,6 +454,8 @@ class StaticDecoder(RoutingTally):
                 handoff: object | None, cos: Tensor, sin: Tensor) -> Tensor:
         """A routed layer's output: ``processed_part``; under ``cond``, ``skipped_part`` instead when no
         row processes the token (the same value, without the block's work: module doc)."""
+        if not self.cond or layer.block.attn.expose:
+            return parts.processed(layer, cache, handoff, x, decide, cos, sin)
 
         def processed(x: Tensor, decide: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
             return parts.processed(layer, cache, handoff, x, decide, cos, sin)
@@ -462,8 +464,6 @@ class StaticDecoder(RoutingTally):
             return parts.skipped(layer, x)
 
         operands = (x, decide, cos, sin)
-        if not self.cond or layer.block.attn.expose:
-            return processed(*operands)
         pred = decide.any()
         if torch.compiler.is_compiling():  # the whole step traced: Dynamo keeps both branches
             return torch.cond(pred, processed, skipped, operands)

@@ -223,18 +223,16 @@ def test_decode_tokens_per_s(variant, pattern, batch, device, run_bench, benchma
     check = generate(model, prompt, 2, temperature=0, return_logits=True)
     assert check.logits.shape == (B, P + 1, cfg.vocab_size) and torch.isfinite(check.logits).all()
     if not run_bench.disabled and device == "cpu":  # (the roofline's machine is measured on the CPU)
-        _record_roofline(benchmark, request.getfixturevalue("machine"), cfg, model, gen, P + N / 2, device)
+        _record_roofline(benchmark, request.getfixturevalue("machine"), model, gen, P + N / 2, device)
 
 
-def _record_roofline(benchmark, machine, cfg: ModelConfig, model: GPT, gen: Generation, context: float,
+def _record_roofline(benchmark, machine, model: GPT, gen: Generation, context: float,
                      device: str) -> None:
     """The attainable speed-up at this batch (``decode_roofline``) and the machine it assumes."""
     B = gen.tokens.shape[0]
-    with torch.device("meta"):
-        dense = GPT(cfg)
     width = 2 if device == "cuda" else 4
-    dense_costs = decode_roofline.model_costs(dense, context, bytes_per_value=width)
-    routed_costs = decode_roofline.model_costs(model, context, gen.processed_shares, bytes_per_value=width)
+    dense_costs, routed_costs = decode_roofline.dense_and_routed_costs(model, context, gen.processed_shares,
+                                                                       bytes_per_value=width)
     benchmark.extra_info.update(
         roofline_speedup=decode_roofline.speedup_limit(dense_costs, routed_costs, B, machine),
         roofline_dense_step_s=decode_roofline.step_time(dense_costs, B, machine),
