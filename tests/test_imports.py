@@ -32,7 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     "track": {"errors", "results", "config"},
     "design": {"errors", "results", "config", "data", "variants", "model"},
     "run": {"errors", "results", "config", "data", "variants", "model", "track", "progress", "interrupts"},
-    "bench": {"errors", "config", "variants", "model"},
+    "bench": {"errors", "config", "variants", "model", "track"},  # track.provenance: the commit a table was measured at
     "report": {"errors", "results", "config", "data", "variants", "model", "track", "design"},
     "study": {"errors", "results", "config", "data", "model", "run", "track", "progress", "interrupts", "report", "design"},
     "cli": {"errors", "results", "config", "data", "variants", "model", "track", "run", "bench", "report", "study", "progress",

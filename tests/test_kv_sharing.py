@@ -20,7 +20,7 @@ from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.config.run import RunConfig, TrainConfig
 from modbench.errors import ModbenchError
 from modbench.model.decode import Decoder, SharedLayerCache, generate
-from modbench.model.gpt import GPT, RoutedBlock, apply_rope
+from modbench.model.gpt import GPT, apply_rope
 from modbench.model.kv_sharing import KVAccess, KVShare
 from modbench.run.causal_eval import calibrate_causal_rules, leak_rate
 

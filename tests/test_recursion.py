@@ -290,7 +290,7 @@ def test_mor_update_weights_the_blocks_output_or_its_delta(update):
 
 def test_mor_aux_losses_cover_the_steps_candidates_only():
     m = mor_model(z_weight=1e-3)
-    layer, router = m.layers[2], m.layers[2].router  # step 1: candidates are what step 0 processed
+    router = m.layers[2].router  # step 1: candidates are what step 0 processed
     x = torch.randn(2, 96, 32)
     previous = torch.rand(2, 96) < 0.75
     r = router.route(x, 32, previous)

@@ -7,7 +7,6 @@ import pytest
 
 import modbench.study.runner as study_mod
 from modbench.cli.main import main
-from modbench.errors import ModbenchError
 from modbench.run.train import TrainingDiverged
 
 REPO = Path(__file__).resolve().parents[1]

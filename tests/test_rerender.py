@@ -6,7 +6,6 @@ router, and show what a contrast holds equal (issue "Best against best", items 2
 
 import json
 import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np

@@ -5,7 +5,6 @@ from dataclasses import replace
 
 import mlflow
 import pytest
-import torch
 from mlflow.tracking import MlflowClient
 
 from modbench import variants

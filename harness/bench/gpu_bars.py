@@ -182,7 +182,7 @@ def markdown(env: dict, shape: Shape, cells: list[Cell]) -> str:
     lines = [
         f"# Routed block and model step: eager, compiled, CUDA graphs ({env['device']})",
         "",
-        f"torch {env['torch']} (CUDA {env['cuda']}), Python {env['python']}, {env['date']}. d {shape.d_model} "
+        f"torch {env['torch']} (CUDA {env['cuda']}), Python {env['python']}, {env['date']}, commit {env['commit']}. d {shape.d_model} "
         f"(heads of {shape.head_dim}), T {shape.seq_len}, C = {CAPACITY}; block: forward + backward, B "
         f"{shape.block_batch}, against the dense layer with the same weights; model: training step (AdamW) of "
         f"depth {shape.model_depth}, pattern {MODEL_PATTERN}, B {shape.model_batch}, against the dense GPT. Median "

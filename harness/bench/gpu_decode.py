@@ -75,6 +75,7 @@ from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.model.decode import CUDA_ONLY_STEPS, STEPS, generate
 from modbench.model.gpt import GPT
 from modbench.model.static_decode import StaticDecoder
+from modbench.track.provenance import git_sha
 
 CAPACITY = 0.125
 PATTERN = "fixed:1,1"
@@ -192,6 +193,7 @@ def environment(device: torch.device | str) -> dict[str, str]:
         "cuda": str(torch.version.cuda),
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "commit": git_sha(),  # "-dirty": not from a committed tree, so not a table to commit
     }
 
 
@@ -209,7 +211,7 @@ def markdown(env: dict, size: Size, variants: list[str], steps: list[str], cells
     lines = [
         f"# KV-cached decode tokens/s: old decoder vs static step ({env['device']})",
         "",
-        f"torch {env['torch']} (CUDA {env['cuda']}), Python {env['python']}, {env['date']}. d {size.d_model}, depth "
+        f"torch {env['torch']} (CUDA {env['cuda']}), Python {env['python']}, {env['date']}, commit {env['commit']}. d {size.d_model}, depth "
         f"{size.depth}, head {size.head_dim}, {size.dtype} weights; prompt {size.prompt} + {size.new_tokens - 1} decode "
         f"steps; decode tokens/s (prefill, capture and compile excluded), median of the timed generations. Routed: "
         f"pattern {PATTERN}, C = {CAPACITY} (realised share in brackets). `python -m modbench.bench.gpu_decode`.",

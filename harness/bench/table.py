@@ -421,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("  " + line)
     if a.markdown:
         md = [
-            f"# tests/bench: time ratio vs FLOP ratio\n",
+            "# tests/bench: time ratio vs FLOP ratio\n",
             title + "\n",
             "time ratio = min t_routed / min t_dense over `pairs` rounds that each time a dense "
             "call and then a routed call (adjacent, so machine-speed drift cancels); raw_ratio = the routed entry's statistic / the dense entry's (separate "

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from modbench.bench import gpu_bars
+from modbench.track.provenance import git_sha
 
 
 def test_dry_run_writes_every_cell(tmp_path, capsys):
@@ -20,6 +21,7 @@ def test_dry_run_writes_every_cell(tmp_path, capsys):
     record = json.loads((tmp_path / "bars-dry.json").read_text())
     md = (tmp_path / "bars-dry.md").read_text()
     assert record["dry_run"] and record["environment"]["torch"] == torch.__version__
+    assert f"commit {git_sha()}" in md  # the code it timed
     assert record["bars"] == {"block_max_flop_multiple": 1.5, "model_min_efficiency": 0.9}
     cells = {(c["bar"], c["variant"], c["mode"]): c for c in record["cells"]}
     assert set(cells) == {(b, v, m) for m in gpu_bars.MODES

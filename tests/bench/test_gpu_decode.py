@@ -13,6 +13,7 @@ import json
 import torch
 
 from modbench.bench import gpu_decode
+from modbench.track.provenance import git_sha
 
 
 def test_dry_run_writes_every_cell(tmp_path, capsys):
@@ -21,6 +22,7 @@ def test_dry_run_writes_every_cell(tmp_path, capsys):
     md = (tmp_path / "decode-static-dry.md").read_text()
     assert record["dry_run"] and record["environment"]["torch"] == torch.__version__
     assert record["environment"]["device"].startswith("cpu") and record["environment"]["python"]
+    assert f"commit {git_sha()}" in md and record["environment"]["commit"] == git_sha()  # the code it timed
     cells = {(c["variant"], c["batch"], c["step"]): c for c in record["cells"]}
     assert set(cells) == {(v, b, s) for v in ("dense", "sigmoid") for b in (1, 2) for s in gpu_decode.DEFAULT_STEPS
                           if v == "dense" or s not in gpu_decode.REFERENCE_STEPS}  # the yardstick: dense only

@@ -42,6 +42,24 @@ def test_the_reference_decodes_modbenchs_dense_model(runner, batch):
     assert torch.equal(again.tokens, out.tokens) and torch.equal(again.logits, out.logits)  # reset in place
 
 
+@pytest.mark.parametrize("runner", ["eager", "compile"])
+def test_a_decode_step_copies_no_cache(runner):
+    """The yardstick's step writes its token's K/V in place and nothing else: no copy of a cache tensor
+    (its ``prepare``, which saves and restores the cache around a compile or capture, runs once)."""
+    m = dense_model()
+    torch._dynamo.reset()
+    ref = ReferenceDecoder(m, 2, 16, runner=runner, compile_backend="eager")
+    generate(m, prompt(2), 4, temperature=0, decoder=ref, mode="dense")  # compiles
+    cache_shape = list(ref.k[0].shape)
+    with torch.profiler.profile(record_shapes=True) as prof:
+        generate(m, prompt(2), 8, temperature=0, decoder=ref, mode="dense")
+    copies = [e.key for e in prof.events() if e.name in ("aten::clone", "aten::copy_", "aten::_to_copy")
+              and cache_shape in [list(s) for s in e.input_shapes]]
+    writes = [e for e in prof.events() if e.name == "aten::index_copy_"]
+    assert copies == [], f"{len(copies)} cache-sized copies in 8 decode steps"
+    assert writes, "the profile saw no cache write: it recorded nothing of the steps"
+
+
 def test_a_routed_model_or_an_unknown_runner_is_refused_in_one_line():
     routed = GPT(CFG, RoutingConfig("sigmoid", capacity=0.5, pattern="MDM"))
     with pytest.raises(ModbenchError, match="plain dense GPT") as e:
