@@ -16,7 +16,7 @@ from modbench.cli.main import main
 from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.run.evaluate import evaluate
 from modbench.run.causal_eval import calibrate_causal_rules, causal_agreement, leak_rate
-from modbench.model.decode import Decoder, generate
+from modbench.model.decode import Decoder, generate, sample
 from modbench.model.gpt import GPT, RoutedBlock
 from modbench.config.run import RunConfig, TrainConfig
 from modbench.run.train import train
@@ -355,3 +355,23 @@ def test_a_decode_step_reads_the_device_at_most_once_per_routed_layer(name, monk
         for _ in range(steps):
             feed = decoder(feed)[:, -1:].argmax(-1)
     assert len(reads) == steps * n_routed, reads
+
+
+@pytest.mark.parametrize("top_k", [None, 5])
+def test_sampling_draws_what_torch_multinomial_draws(top_k):
+    """``sample`` writes out multinomial's one-sample draw (the exponential race) to avoid its host reads:
+    the same generator gives the same tokens as ``torch.multinomial`` and leaves it in the same state, so
+    seeded generations are what they were."""
+    logits = torch.randn(6, 97, generator=torch.Generator().manual_seed(0)) * 3
+    for seed in range(50):
+        ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        drawn = sample(logits, temperature=0.8, top_k=top_k, generator=ours)
+        scaled = logits / 0.8
+        if top_k is not None:
+            scaled = scaled.masked_fill(scaled < scaled.topk(top_k, dim=-1).values[:, -1:], -math.inf)
+        expected = torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=theirs)
+        assert torch.equal(drawn, expected)
+        assert torch.equal(torch.rand(4, generator=ours), torch.rand(4, generator=theirs))
+    counts = torch.bincount(torch.cat([sample(logits[:1], generator=torch.Generator().manual_seed(s))[0]
+                                       for s in range(4000)]), minlength=97).float() / 4000
+    assert (counts - torch.softmax(logits[0], -1)).abs().max() < 0.03  # token i drawn with probability p_i

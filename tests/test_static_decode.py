@@ -31,7 +31,7 @@ import torch
 from modbench import variants
 from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.errors import ModbenchError
-from modbench.model.decode import Decoder, generate, resolve_step
+from modbench.model.decode import STEPS, Decoder, generate, resolve_step, sample
 from modbench.model.gpt import GPT, RoutedBlock
 from modbench.model.static_decode import StaticDecoder, StaticLayerCache, StaticSharedCache, static_refusal
 from modbench.run.causal_eval import calibrate_causal_rules
@@ -428,3 +428,28 @@ def test_cuda_graph_conditional_nodes_equal_the_eager_static_step(name, batch, s
     tol = 1e-5 if step == "graph-cond" else 1e-4
     torch.testing.assert_close(graph.logits, eager.logits, atol=tol, rtol=tol)
     assert graph.processed_shares == pytest.approx(eager.processed_shares)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+@pytest.mark.parametrize("step", ["graph", "graph-cond"])
+def test_a_captured_decode_step_and_sampling_never_sync(step):
+    """On CUDA, once captured: a one-token call of the "graph" and "graph-cond" steps and the sampling of
+    its next token run under ``set_sync_debug_mode("error")`` (any host sync raises), so a decode loop can
+    run ahead of the GPU by many tokens."""
+    m = model("sigmoid").cuda()
+    spec = STEPS[step]
+    dec = StaticDecoder(m, 4, 16, mode="causal", runner=spec[0], cond=spec[1])
+    dec.prepare()
+    feed = prompt(4).cuda()
+    dec(feed)  # the prefill (a multi-token step, eager)
+    feed = feed[:, -1:]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):
+            feed = sample(dec(feed)[:, -1], temperature=1.0, generator=g)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert feed.shape == (4, 1) and dec.fed == prompt(4).shape[1] + 5

@@ -359,14 +359,21 @@ class Generation:
 
 def sample(logits: Tensor, *, temperature: float = 1.0, top_k: int | None = None,
            generator: torch.Generator | None = None) -> Tensor:
-    """(B, V) logits → (B, 1) tokens; temperature 0 is greedy."""
+    """(B, V) logits → (B, 1) tokens; temperature 0 is greedy.
+
+    The draw is argmax(p / e) with e ~ Exp(1) per entry (the exponential race: token i wins with
+    probability pᵢ), which is how ``torch.multinomial`` draws one sample, so the same generator gives the
+    same tokens (tests/test_decode.py checks). Written out because ``multinomial`` first checks its input
+    with host reads (``.item()``) in the torch releases of this project's range: a host sync per token,
+    which would stall a decode loop that a CUDA graph lets run ahead of the GPU."""
     if temperature <= 0:
         return logits.argmax(-1, keepdim=True)
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
-    return torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+    p = F.softmax(logits, dim=-1)
+    return (p / torch.empty_like(p).exponential_(generator=generator)).argmax(-1, keepdim=True)
 
 
 @torch.no_grad()
