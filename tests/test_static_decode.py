@@ -432,7 +432,7 @@ def test_cuda_graph_conditional_nodes_equal_the_eager_static_step(name, batch, s
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
 @pytest.mark.parametrize("step", ["graph", "graph-cond"])
-def test_a_captured_decode_step_and_sampling_never_sync(step):
+def test_a_captured_cuda_decode_step_and_its_sampling_never_sync(step):
     """On CUDA, once captured: a one-token call of the "graph" and "graph-cond" steps and the sampling of
     its next token run under ``set_sync_debug_mode("error")`` (any host sync raises), so a decode loop can
     run ahead of the GPU by many tokens."""
