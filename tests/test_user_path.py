@@ -281,6 +281,40 @@ def test_only_the_worker_that_finishes_the_study_prints_its_per_arm_numbers(tmp_
     assert final["finished"] is True and len(final["arms"]) == 2
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+def test_a_worker_done_before_the_others_keeps_counting_their_trials(tmp_cwd, capsys, monkeypatch):
+    """`study run --workers 2`: the command's worker finishes its share while a helper is still in a trial.
+    Its bar then counts the helper's trials as they end (one line first says so) until the helper stops,
+    so it ends at the study's count, not the one it last saw. Each step here is an event: another worker's
+    trial ends inside the ``others_running`` poll."""
+    import optuna
+
+    from modbench.design.study_file import load_study
+    from modbench.study import runner as study_runner
+
+    monkeypatch.setattr(study_runner, "STAGE_POLL_S", 0.0)
+    spec = load_study(study_file(tmp_cwd, "follow", **{"seeds = [0]": "seeds = [0, 1]"}))
+    runner = study_runner.Runner(spec, f"sqlite:///{tmp_cwd}/optuna.db", tmp_cwd / "runs",
+                                 tracking_uri=f"sqlite:///{tmp_cwd}/mlflow.db", heartbeat=10, grace=30)
+    queued = len(runner.optuna.get_trials(states=(optuna.trial.TrialState.WAITING,)))
+    bar = study_runner._Progress(True, runner)
+    assert bar.bar.n == 0 and queued == 4
+    polls = []
+
+    def others_running() -> bool:  # a helper worker: one of its trials ends at each poll; it stops after the 4th
+        polls.append(bar.bar.n)
+        runner.optuna.tell(runner.optuna.ask(), state=optuna.trial.TrialState.PRUNED)
+        return len(polls) < 4
+
+    bar.follow(others_running)
+    assert polls[-1] >= 2  # counting while the helper ran, not only once it stopped
+    assert bar.bar.n == 4  # every trial, the one that ended as the helper stopped included
+    bar.close()
+    assert "this worker is done; the bar counts the other workers' trials" in capsys.readouterr().err
+    bar.follow(lambda: False)  # nothing else running: no line
+    assert "this worker is done" not in capsys.readouterr().err
+
+
 def test_study_run_with_two_workers_prints_one_final_summary(tmp_cwd, capfd):
     """`make quick` is `study run --workers 2`: the helper worker prints nothing, the command prints
     one summary once both have stopped, with every trial counted (ran by either worker) and the

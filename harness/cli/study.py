@@ -48,14 +48,15 @@ def run(args) -> int:
     try:
         outcome = run_study(args.study_file, storage=storage, out_dir=args.out_dir, n_trials=args.n_trials,
                             progress=not args.quiet, heartbeat=args.heartbeat, grace=args.grace, tracking_uri=uri,
-                            offline_runs=offline, deadline=deadline, amend_claims=args.amend_claims)
+                            offline_runs=offline, deadline=deadline, amend_claims=args.amend_claims,
+                            others_running=None if helpers is None else helpers.busy)
     except BaseException:
         if helpers is not None:
             helpers.stop()  # this worker's error (or Ctrl-C) is the one line; the helpers' would repeat it
         raise
     if helpers is not None:
         # The study is finished (or left) only when every worker has stopped.
-        ran = helpers.join(quiet=args.quiet or args.json)
+        ran = helpers.join()
     frame = trials_frame(outcome.name, outcome.storage)
     if helpers is not None:  # the counts as the study stands now, every worker's trials in
         from dataclasses import replace
@@ -190,16 +191,15 @@ class HelperWorkers:
             logs.append(log)
         return cls(procs, logs)
 
-    def join(self, quiet: bool = False) -> int:
+    def busy(self) -> bool:
+        """Whether a helper is still running (its trials are what this worker's bar counts after its own)."""
+        return any(proc.poll() is None for proc in self.procs)
+
+    def join(self) -> int:
         """Wait for every helper, say in one line each what a failed one said last; returns how many
-        trials the helpers ran (their JSON lines' ``ran``). Unless ``quiet``, a line says when this
-        worker has finished and waits for others still in a trial (its bar stops at what it last saw)."""
+        trials the helpers ran (their JSON lines' ``ran``)."""
         import sys
 
-        busy = sum(proc.poll() is None for proc in self.procs)
-        if busy and not quiet:
-            print(f"modbench: this worker is done; waiting for {busy} other worker(s) to finish their trials",
-                  file=sys.stderr, flush=True)
         ran = 0
         for i, (proc, log) in enumerate(zip(self.procs, self.logs), start=2):
             rc = proc.wait()

@@ -33,6 +33,7 @@ import socket
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -519,7 +520,11 @@ class Runner:
     def sampled_arms(self) -> int:
         return sum(1 for t in self.optuna.get_trials(deepcopy=False) if t.user_attrs.get("sampled"))
 
-    def run(self, *, max_trials: int | None, progress: bool, timeout_s: float | None) -> int:
+    def run(self, *, max_trials: int | None, progress: bool, timeout_s: float | None,
+            others_running: Callable[[], bool] | None = None) -> int:
+        """Run trials until the study (or this worker's share: ``max_trials``, ``timeout_s``, the deadline)
+        is done; returns how many this worker ran. ``others_running``: whether this command's other workers
+        are still in a trial; the bar then keeps counting theirs until they stop."""
         s = self.study
         grid = s.settings.sampler == "grid"
         start = time.monotonic()
@@ -555,6 +560,8 @@ class Runner:
                                      callbacks=[self._say_if_failed])
                 ran += 1
                 bar.update()
+            if others_running is not None:
+                bar.follow(others_running)
         finally:
             bar.close()
         self._maybe_finish_parent()
@@ -611,8 +618,7 @@ class _Progress:
         if enabled:
             from modbench.progress import progress_bar
 
-            done = sum(runner.counts().get(k, 0) for k in ("COMPLETE", "PRUNED", "FAIL"))
-            self.bar = progress_bar(total=runner.expected_total(), initial=done, desc=f"study {runner.study.name}", unit="trial")
+            self.bar = progress_bar(total=runner.expected_total(), initial=self._done(), desc=f"study {runner.study.name}", unit="trial")
 
     def update(self) -> None:
         if self.bar is None:
@@ -626,6 +632,25 @@ class _Progress:
             self.bar.set_postfix(best=f"{best[0].values[0]:.4f} ({best[0].user_attrs.get('arm', '?')})")
         self.bar.refresh()
 
+    def follow(self, others_running: Callable[[], bool]) -> None:
+        """This worker is done: count the other workers' trials until ``others_running()`` is False (a
+        line says so first; on a log the bar prints a line only when the count moves)."""
+        if self.bar is None or not others_running():
+            return
+        self.bar.write("modbench: this worker is done; the bar counts the other workers' trials", file=sys.stderr)
+        running = True
+        while running:
+            interrupts.check()  # Ctrl-C while waiting: this worker stops, and the command stops its helpers
+            running = others_running()  # (asked before counting: a trial that ended as a helper stopped is counted)
+            if self._done() != self.bar.n:
+                self.update()
+            if running:
+                time.sleep(STAGE_POLL_S)
+
+    def _done(self) -> int:
+        counts = self.runner.counts()
+        return sum(counts.get(k, 0) for k in ("COMPLETE", "PRUNED", "FAIL"))
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -634,10 +659,11 @@ class _Progress:
 def run_study(path: str | Path, *, storage: str | None = None, out_dir: str | Path = "runs/studies",
               n_trials: int | None = None, progress: bool = True, heartbeat: int = 10, grace: int = 30,
               tracking_uri: str, offline_runs: Path | None = None, deadline: float | None = None,
-              amend_claims: bool = False) -> StudyOutcome:
+              amend_claims: bool = False, others_running: Callable[[], bool] | None = None) -> StudyOutcome:
     """Run (or resume) a study in this process (module docstring); ``offline_runs``: log runs to
     files there instead of MLflow; ``deadline``: start no trial that would end after it (epoch s);
-    ``amend_claims``: record a change of the pre-registered claim settings instead of refusing it."""
+    ``amend_claims``: record a change of the pre-registered claim settings instead of refusing it;
+    ``others_running``: whether the command's other workers are still busy (``Runner.run``)."""
     study = load_study(path)
     check_arms_train(study)  # an arm the trainer would refuse: now, before any storage exists
     if n_trials is not None and n_trials < 1:
@@ -651,7 +677,7 @@ def run_study(path: str | Path, *, storage: str | None = None, out_dir: str | Pa
     timeout = study.settings.timeout_s or None
     try:
         with interrupts.deferred():
-            ran = runner.run(max_trials=n_trials, progress=progress, timeout_s=timeout)
+            ran = runner.run(max_trials=n_trials, progress=progress, timeout_s=timeout, others_running=others_running)
             interrupts.check()  # asked during the last trial's final writes: still say so, exit 130
     except KeyboardInterrupt:
         what = runner.interrupted
