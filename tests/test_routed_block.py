@@ -214,6 +214,8 @@ def test_routing_stats_are_detached_and_sane(name):
         assert 0.0 <= s["mean_position"].item() <= 1.0
         assert 0.0 <= s["score_entropy"].item() <= 1.0 + 1e-6
         assert s["position_hist"].sum().item() == pytest.approx(1.0)
+        buckets = torch.div(s["layer_index"] * 8, T, rounding_mode="floor").flatten()  # the slots' eighths of T
+        assert torch.equal(s["position_hist"], torch.bincount(buckets, minlength=8).float() / buckets.numel())
         assert not any(v.requires_grad for v in s.values() if v.is_floating_point())
 
 

@@ -615,7 +615,11 @@ class Router(nn.Module):
         p = F.softmax(s - s.amax(-1, keepdim=True), dim=-1)
         entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean() / math.log(max(T, 2))
         buckets = torch.div(index * n_buckets, T, rounding_mode="floor").flatten()
-        hist = torch.bincount(buckets, minlength=n_buckets).float() / buckets.numel()
+        # Counted by comparison, a fixed-size op: bincount's output size depends on the data (a host sync, and
+        # a graph break that sent a compiled training step's logging steps back to eager); no scatter, so the
+        # count is deterministic on CUDA too.
+        hits = buckets.unsqueeze(-1) == torch.arange(n_buckets, device=index.device)
+        hist = hits.sum(0).float() / buckets.numel()
         return {
             "fraction": torch.tensor(index.shape[-1] / T),
             "mean_position": index.float().mean() / max(T - 1, 1),

@@ -131,6 +131,9 @@ class Attention(nn.Module):
     def __init__(self, d: int, n_head: int) -> None:
         super().__init__()
         self.n_head = n_head
+        # An instance attribute from the start: one that a forward first creates changes the module's
+        # __dict__, and a compiled model's guard on it recompiles the whole forward once more.
+        self.exposed = None
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.proj = nn.Linear(d, d, bias=False)
 

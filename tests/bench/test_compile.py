@@ -123,6 +123,29 @@ def test_mixture_of_experts_variants_do_not_compile_to_one_graph(variant):
         _compile_and_compare(variant, "aot_eager", rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("variant", sorted(set(ROUTED) - SYNCS_BY_DESIGN))
+def test_a_logging_step_compiles_fullgraph_and_the_next_steps_reuse_the_graphs(variant):
+    """The trainer's compiled step as it runs: a logging step collects routing statistics (one graph, no
+    break: a data-dependent shape there sent every logging step back to eager and synced), the steps between
+    run without them (a second graph), and later steps of either kind compile nothing more (a forward that
+    first creates a module attribute recompiled the whole model on its second call)."""
+    torch._dynamo.reset()
+    model = _model(variant)
+    graphs: list = []
+    compiled = torch.compile(model, fullgraph=True, backend=_recording("eager", graphs))
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, TINY.vocab_size, (B, T), generator=g)
+    for collect in (True, False, True, False):
+        model.set_collect_stats(collect)
+        out = _train_forward_backward(compiled, idx, idx)
+        assert bool(out.stats) == collect
+    model.set_collect_stats(False)
+    assert len(graphs) == 2
+    names = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    syncing = [n for n in names if any(n == s or n.endswith(f".{s}") or f" {s}" in n for s in SYNCING + ("bincount",))]
+    assert syncing == [], f"host-syncing ops in the compiled step: {syncing}"
+
+
 @pytest.mark.slow
 def test_inductor_compile_matches_eager_sigmoid():
     """The one real code-generating compile (C++ kernels on CPU), kept cheap for CI.
