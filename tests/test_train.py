@@ -249,3 +249,42 @@ def test_tracking_uri_flag_is_where_the_run_goes(tmp_cwd, monkeypatch):
     # generate finds the run by id through the same flag (and not through the environment).
     assert main(["generate", "--run", runs[0].info.run_id, "--prompt", "1+1=", "--max-new-tokens", "2",
                  "--no-dense", "--json", "--tracking-uri", f"sqlite:///{store}"]) == 0
+
+
+@pytest.mark.parametrize("warmup", [0, 8])
+def test_a_compiled_run_compiles_two_graphs_even_through_a_capacity_warmup(tmp_cwd, monkeypatch, warmup):
+    """`--compile`: the forward compiles to one graph for the logging steps and one for the others. A capacity
+    warm-up changes k nearly every step, and a compiled forward specialised on each k recompiled until Dynamo's
+    limit, then ran the rest of training eagerly; the warm-up now runs eagerly and the compiled forward after it.
+    (Dynamo's "eager" backend: its tracing and guards, without Inductor's code generation.)"""
+    import torch
+
+    graphs, first_compiled_step = [], []
+    real_compile = torch.compile
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def compile_recording(model, **kw):
+        compiled = real_compile(model, backend=record)
+
+        def forward(*a, **k):  # (the step the compiled forward first ran at)
+            first_compiled_step.append(run_step[0])
+            return compiled(*a, **k)
+        return forward
+
+    run_step = [0]
+    monkeypatch.setattr(torch, "compile", compile_recording)
+    torch._dynamo.reset()
+    cfg = tiny("sigmoid", 0.125, budget="steps=16", compile=True)
+    cfg = replace(cfg, routing=replace(cfg.routing, capacity_warmup_steps=warmup))
+    from modbench.model import gpt
+
+    real_set_step = gpt.GPT.set_step
+    monkeypatch.setattr(gpt.GPT, "set_step", lambda self, step: (run_step.__setitem__(0, step), real_set_step(self, step)))
+    result = train(cfg, progress=False)
+    assert result.steps == 16
+    assert min(first_compiled_step) == warmup  # the warm-up eager, every step after it compiled
+    assert len(first_compiled_step) == 16 - warmup
+    assert len(graphs) == 2  # logging steps and the others, whatever the warm-up did

@@ -369,9 +369,13 @@ def _micro_step(run: _Run, micro: int, *, collect_stats: bool) -> None:
     x, y = distributed.local_slice(x), distributed.local_slice(y)
     x, y = x.to(run.device, non_blocking=True), y.to(run.device, non_blocking=True)
     run.model.set_collect_stats(collect_stats)
+    # A compiled forward is specialised on each routed layer's k. Through a capacity warm-up k changes
+    # nearly every step: Dynamo would recompile until its limit, then run the whole rest of training
+    # eagerly. So the warm-up runs eagerly, and the compiled forward (one graph from then on) after it.
+    forward = run.fwd_model if run.step >= run.cfg.routing.capacity_warmup_steps else run.step_model
     with distributed.grad_sync(run.step_model, micro + 1 == t.grad_accum):
         with run.autocast or nullcontext():
-            out = run.fwd_model(x, y)
+            out = forward(x, y)
         aux = run.model.weighted_aux_loss(out.aux_losses, run.step)
         loss = out.loss if aux is None else out.loss + aux
         (loss / t.grad_accum).backward()
