@@ -251,12 +251,14 @@ def test_tracking_uri_flag_is_where_the_run_goes(tmp_cwd, monkeypatch):
                  "--no-dense", "--json", "--tracking-uri", f"sqlite:///{store}"]) == 0
 
 
-@pytest.mark.parametrize("warmup", [0, 8])
-def test_a_compiled_run_compiles_two_graphs_even_through_a_capacity_warmup(tmp_cwd, monkeypatch, warmup):
+@pytest.mark.parametrize("variant,warmup", [("sigmoid", 0), ("sigmoid", 8), ("token_choice", 0), ("random", 0)])
+def test_a_compiled_run_compiles_two_graphs_even_through_a_capacity_warmup(tmp_cwd, monkeypatch, variant, warmup):
     """`--compile`: the forward compiles to one graph for the logging steps and one for the others. A capacity
     warm-up changes k nearly every step, and a compiled forward specialised on each k recompiled until Dynamo's
     limit, then ran the rest of training eagerly; the warm-up now runs eagerly and the compiled forward after it.
-    (Dynamo's "eager" backend: its tracing and guards, without Inductor's code generation.)"""
+    The evaluation at step 10 (its causal agreement, a calibration) recompiles nothing either: the router
+    flags it sets were first created on the instance there. (Dynamo's "eager" backend: its tracing and
+    guards, without Inductor's code generation.)"""
     import torch
 
     graphs, first_compiled_step = [], []
@@ -277,7 +279,7 @@ def test_a_compiled_run_compiles_two_graphs_even_through_a_capacity_warmup(tmp_c
     run_step = [0]
     monkeypatch.setattr(torch, "compile", compile_recording)
     torch._dynamo.reset()
-    cfg = tiny("sigmoid", 0.125, budget="steps=16", compile=True)
+    cfg = tiny(variant, 0.125, budget="steps=16", compile=True)
     cfg = replace(cfg, routing=replace(cfg.routing, capacity_warmup_steps=warmup))
     from modbench.model import gpt
 

@@ -422,6 +422,10 @@ class Router(nn.Module):
         super().__init__()
         self.config = config
         self.collect_stats = False
+        # The flags evaluation and calibration switch, as instance attributes from the start: one that a later
+        # call first creates changes the module's __dict__, and a compiled model's guard on it recompiles.
+        self.collect_causal = False
+        self.calibrating = False
         # Raposo et al. 2024 (arXiv:2404.02258) §3.5's second method, on any fixed-count variant (the
         # "<name>+aux" aliases, ``enable_aux_decoding``): None, or the predictor that then decides at
         # decode time. (An instance attribute: a class-level None would shadow the registered module.)
