@@ -363,7 +363,7 @@ def sample(logits: Tensor, *, temperature: float = 1.0, top_k: int | None = None
 
     The draw is argmax(p / e) with e ~ Exp(1) per entry (the exponential race: token i wins with
     probability pᵢ), which is how ``torch.multinomial`` draws one sample, so the same generator gives the
-    same tokens (tests/test_decode.py checks). Written out because ``multinomial`` first checks its input
+    same tokens (tests/test_causal.py checks). Written out because ``multinomial`` first checks its input
     with host reads (``.item()``) in the torch releases of this project's range: a host sync per token,
     which would stall a decode loop that a CUDA graph lets run ahead of the GPU."""
     if temperature <= 0:

@@ -618,13 +618,18 @@ class _Progress:
         if enabled:
             from modbench.progress import progress_bar
 
-            self.bar = progress_bar(total=runner.expected_total(), initial=self._done(), desc=f"study {runner.study.name}", unit="trial")
+            self.bar = progress_bar(total=runner.expected_total(), initial=self._done(runner.counts()),
+                                    desc=f"study {runner.study.name}", unit="trial")
 
-    def update(self) -> None:
+    @staticmethod
+    def _done(counts: dict[str, int]) -> int:
+        return sum(counts.get(k, 0) for k in ("COMPLETE", "PRUNED", "FAIL"))
+
+    def update(self, counts: dict[str, int] | None = None) -> None:
         if self.bar is None:
             return
-        counts = self.runner.counts()
-        done = sum(counts.get(k, 0) for k in ("COMPLETE", "PRUNED", "FAIL"))
+        counts = self.runner.counts() if counts is None else counts
+        done = self._done(counts)
         self.bar.total = max(self.bar.total, done + counts.get("WAITING", 0) + counts.get("RUNNING", 0))
         self.bar.n = done
         best = best_trials(self.runner.optuna)
@@ -642,14 +647,11 @@ class _Progress:
         while running:
             interrupts.check()  # Ctrl-C while waiting: this worker stops, and the command stops its helpers
             running = others_running()  # (asked before counting: a trial that ended as a helper stopped is counted)
-            if self._done() != self.bar.n:
-                self.update()
+            counts = self.runner.counts()
+            if self._done(counts) != self.bar.n:
+                self.update(counts)
             if running:
                 time.sleep(STAGE_POLL_S)
-
-    def _done(self) -> int:
-        counts = self.runner.counts()
-        return sum(counts.get(k, 0) for k in ("COMPLETE", "PRUNED", "FAIL"))
 
     def close(self) -> None:
         if self.bar is not None:
