@@ -251,14 +251,17 @@ def test_tracking_uri_flag_is_where_the_run_goes(tmp_cwd, monkeypatch):
                  "--no-dense", "--json", "--tracking-uri", f"sqlite:///{store}"]) == 0
 
 
-@pytest.mark.parametrize("variant,warmup", [("sigmoid", 0), ("sigmoid", 8), ("token_choice", 0), ("random", 0)])
+@pytest.mark.parametrize("variant,warmup", [("sigmoid", 0), ("sigmoid", 8), ("token_choice", 0), ("random", 0),
+                                            ("mode_staged", 0)])
 def test_a_compiled_run_compiles_two_graphs_even_through_a_capacity_warmup(tmp_cwd, monkeypatch, variant, warmup):
     """`--compile`: the forward compiles to one graph for the logging steps and one for the others. A capacity
     warm-up changes k nearly every step, and a compiled forward specialised on each k recompiled until Dynamo's
     limit, then ran the rest of training eagerly; the warm-up now runs eagerly and the compiled forward after it.
     The evaluation at step 10 (its causal agreement, a calibration) recompiles nothing either: the router
-    flags it sets were first created on the instance there. (Dynamo's "eager" backend: its tracing and
-    guards, without Inductor's code generation.)"""
+    flags it sets were first created on the instance there. A mixture of experts (``mode_staged``) reads its
+    slice sizes on the host: the run compiles under the model's ``compile_settings``, which keep that read
+    inside the graph (without them: a break and a recompile for each new split). (Dynamo's "eager" backend:
+    its tracing and guards, without Inductor's code generation.)"""
     import torch
 
     graphs, first_compiled_step = [], []

@@ -34,6 +34,7 @@ from .registry import (
     random_controls,
     register_variant,
     static_decode_refusal,
+    training_host_read,
 )
 
 # Importing the modules registers the built-in variants.
@@ -65,5 +66,6 @@ __all__ = [
     "random_controls",
     "register_variant",
     "static_decode_refusal",
+    "training_host_read",
     "topk_membership",
 ]

@@ -418,6 +418,16 @@ class Router(nn.Module):
     # dynamic ``modbench.model.decode.Decoder`` (``generate(step="auto")`` falls back to it).
     static_decode_refusal: ClassVar[str] = ""
 
+    @property
+    def training_host_read(self) -> str:
+        """Why this router's training forward reads the device on the host, or "" when it does not. Such a
+        forward still compiles to one graph (``modbench.model.gpt.compile_settings`` captures the read), but it
+        waits for the device once per routed layer, so it is not sync-free and no CUDA graph can hold it."""
+        if self.mlp_experts:  # the model's TopOneMoE
+            return ("its top-1 mixture of experts sizes each expert's slice of tokens on the host, one read per "
+                    "routed layer (ragged expert batches without a grouped kernel)")
+        return ""
+
     def __init__(self, config: VariantConfig) -> None:
         super().__init__()
         self.config = config

@@ -300,5 +300,15 @@ def static_decode_refusal(name: str) -> str:
     return ret.static_decode_refusal
 
 
+def training_host_read(name: str) -> str:
+    """Why variant ``name``'s training forward reads the device on the host (``Router.training_host_read``:
+    not sync-free, though it compiles to one graph), or "" when it does not; read from one probe router with
+    the variant's default options, built under a forked RNG."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        return get_variant(name).build(8).training_host_read
+
+
 def build_router(name: str, d_model: int, options: Mapping[str, Any] | None = None) -> Router:
     return get_variant(name).build(d_model, options)

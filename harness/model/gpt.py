@@ -32,7 +32,8 @@ Read top to bottom. Notable features:
   read the router's scope, and ``RoutedBlock.mix`` the one place the block's output meets the residual
   stream (as the router's ``Mixing`` says), for the top-k forward, causal mode and decoding.
 - No host-device synchronisation in the forward pass: k is a Python int from static
-  shapes, and nothing calls ``.item()``; the model compiles with ``fullgraph=True``.
+  shapes, and nothing calls ``.item()`` but a mixture of experts sizing its slices (``TopOneMoE``, declared
+  by its routers: ``Router.training_host_read``); the model compiles with ``fullgraph=True``.
 - Analytic FLOPs as model methods (``flops_per_token``), documented in ``modbench.model.flops``.
 - Recursive models (``ModelConfig.recursion``, Mixture-of-Recursions arXiv:2507.10524 §2.1): the
   layer positions of the unrolled stack that share a block hold the same ``Block`` module
@@ -46,6 +47,7 @@ Read top to bottom. Notable features:
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -204,8 +206,12 @@ class TopOneMoE(nn.Module):
     real experts' probabilities renormalised over the real experts.
 
     Execution in training: tokens sorted by expert, one matmul pair per expert on its slice. The
-    slice sizes are one host sync per layer (the price of ragged expert batches without a grouped
-    kernel). In eval mode every expert runs on every token (fixed shapes; see ``forward``).
+    slice sizes are one host read per layer (``Router.training_host_read`` says so): the price of ragged
+    expert batches without a grouped kernel (torch 2.13's ``grouped_mm`` is documented for bf16 on CUDA,
+    and FlopCounterMode counts it as nothing). Under ``torch.compile`` that read is captured as unbacked
+    sizes (``compile_settings``), so the forward stays one graph that serves every split; without it
+    Dynamo broke the graph there and recompiled for each new split until its limit. In eval mode every
+    expert runs on every token (fixed shapes; see ``forward``).
     """
 
     def __init__(self, d: int, ratio: int, n: int, noop: bool = False) -> None:
@@ -231,11 +237,18 @@ class TopOneMoE(nn.Module):
                 y = torch.where((expert == e).unsqueeze(-1), mlp(flat).to(flat.dtype), y)
             return (y * weight.unsqueeze(-1).to(y.dtype)).view(x.shape)
         order = torch.argsort(expert, stable=True)
-        counts = torch.bincount(expert, minlength=len(self.experts))
-        parts = flat.index_select(0, order).split(counts.tolist())
+        # Counted by comparison, a fixed-size op (bincount's output size depends on the data).
+        counts = (expert.unsqueeze(-1) == torch.arange(n, device=expert.device)).sum(0)
+        sizes = counts.tolist()  # the host read
+        for size in sizes:  # what a compiled graph needs to know of these unbacked sizes
+            torch._check(size >= 0)
+        torch._check(sum(sizes) == flat.shape[0])
+        parts = flat.index_select(0, order).split(sizes)
         y = torch.cat([mlp(part) for mlp, part in zip(self.experts, parts)])
         y = y * weight.index_select(0, order).unsqueeze(-1).to(y.dtype)
-        out = torch.empty_like(flat).index_copy_(0, order, y.to(flat.dtype))
+        # Back in token order by a gather with the inverse permutation (compiled under deterministic algorithms,
+        # Inductor got a scatter here, index_copy_ into an empty_like, wrong: tests/bench/test_compile.py).
+        out = y.to(flat.dtype).index_select(0, torch.argsort(order))
         if p.shape[-1] > n:
             real = real / real.sum(-1, keepdim=True)
         self.balance = n * (counts.float() / flat.shape[0] * real.mean(0)).sum()
@@ -244,6 +257,24 @@ class TopOneMoE(nn.Module):
     def gate_flops(self, d: int) -> tuple[float, float]:
         """(forward, backward) FLOPs per token of the gate (the experts count as one MLP)."""
         return 2.0 * d * self.gate.out_features, 4.0 * d * self.gate.out_features
+
+
+@contextmanager
+def compile_settings():
+    """The context a compiled model trains under (``modbench.run.train``), so that compiling changes its speed
+    and nothing else:
+
+    - Dynamo's ``capture_scalar_outputs``: ``TopOneMoE``'s host read of its slice sizes becomes unbacked
+      sizes inside the graph instead of a break there (and a recompile for every new split); no other
+      variant reads the host, so no other graph changes;
+    - Inductor's ``fallback_random``: random ops draw from torch's generator as in eager, so a random
+      control (``random``, ``random_gated``, ``random_mlp``) routes the same tokens compiled or not (with
+      Inductor's own generator it drew other numbers from the same seed).
+    """
+    import torch._inductor.config as inductor_config
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True), inductor_config.patch(fallback_random=True):
+        yield
 
 
 class Block(nn.Module):

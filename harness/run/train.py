@@ -37,7 +37,7 @@ from modbench.data import Corpus, dataset_origin, eval_windows, eval_windows_wit
 from modbench.errors import ModbenchError
 from modbench.run.evaluate import evaluate, evaluate_causal
 from modbench.run.causal_eval import calibrate_causal_rules
-from modbench.model.gpt import GPT, RoutedBlock
+from modbench.model.gpt import GPT, RoutedBlock, compile_settings
 from modbench.config.patterns import pattern_string
 from modbench.config.run import RunConfig
 from modbench.results import RunRecord, declared
@@ -141,9 +141,20 @@ def train(
     """
     device = resolve_device(cfg.train.device)
     distributed.check_batch_size(cfg.train.batch_size)  # before any process waits for another
-    with distributed.process_group(device) as device, _deterministic_compile(cfg.train.compile and device.type == "cpu"):
+    with distributed.process_group(device) as device, _compiling(cfg.train.compile, device):
         return _train(cfg, device, tracker=tracker, tracking_uri=tracking_uri, resume=resume, progress=progress,
                       on_eval=on_eval)
+
+
+@contextmanager
+def _compiling(on: bool, device: torch.device):
+    """What a compiled run (``on``) trains under, restored after: the model's ``compile_settings`` (one graph
+    for every variant) and, on the CPU, deterministic algorithms."""
+    if not on:
+        yield
+        return
+    with compile_settings(), _deterministic_compile(device.type == "cpu"):
+        yield
 
 
 @contextmanager
