@@ -25,6 +25,9 @@ The routed training forward's fullgraph compile is tests/bench/test_compile.py's
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 
@@ -33,7 +36,8 @@ from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.errors import ModbenchError
 from modbench.model.decode import STEPS, Decoder, generate, resolve_step, sample
 from modbench.model.gpt import GPT, RoutedBlock
-from modbench.model.static_decode import StaticDecoder, StaticLayerCache, StaticSharedCache, static_refusal
+from modbench.model.static_decode import (StaticDecoder, StaticLayerCache, StaticSharedCache, _if_else_node,
+                                          branch_capture_missing, static_refusal)
 from modbench.run.causal_eval import calibrate_causal_rules
 
 ALL = variants.list_variants() + variants.decode_aliases()
@@ -414,6 +418,7 @@ CONDITIONAL_CASES = [(n, b, "graph-cond") for n in ("sigmoid", "mlp_skip", "toke
                      for b in (1, 4)] + [("sigmoid", 4, "compile-cond")]
 
 
+@pytest.mark.skipif(bool(branch_capture_missing()), reason=branch_capture_missing())
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
 @pytest.mark.parametrize("name,batch,step", CONDITIONAL_CASES)
 def test_cuda_graph_conditional_nodes_equal_the_eager_static_step(name, batch, step):
@@ -431,7 +436,8 @@ def test_cuda_graph_conditional_nodes_equal_the_eager_static_step(name, batch, s
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
-@pytest.mark.parametrize("step", ["graph", "graph-cond"])
+@pytest.mark.parametrize("step", ["graph", pytest.param("graph-cond", marks=pytest.mark.skipif(
+    bool(branch_capture_missing()), reason=branch_capture_missing()))])
 def test_a_captured_cuda_decode_step_and_its_sampling_never_sync(step):
     """On CUDA, once captured: a one-token call of the "graph" and "graph-cond" steps and the sampling of
     its next token run under ``set_sync_debug_mode("error")`` (any host sync raises), so a decode loop can
@@ -453,3 +459,21 @@ def test_a_captured_cuda_decode_step_and_its_sampling_never_sync(step):
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert feed.shape == (4, 1) and dec.fed == prompt(4).shape[1] + 5
+
+
+def test_a_torch_without_cuda_graph_conditional_nodes_is_named_before_any_capture(monkeypatch):
+    """torch 2.11 (the lent GPU machine's) has no ``cudagraph_conditional_nodes`` and no
+    ``CUDAGraph.begin_capture_to_if_node``: "graph-cond" and "compile-cond" cannot run there, and the
+    decoder says so with the torch version and the steps that can, before it captures or compiles anything
+    (make gpu-decode-bench marks those cells "n/a" with the same words)."""
+    monkeypatch.setitem(sys.modules, "torch._higher_order_ops.cudagraph_conditional_nodes",
+                        types.ModuleType("cudagraph_conditional_nodes"))  # (as torch 2.13 has it)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node", lambda *a: None, raising=False)
+    assert branch_capture_missing() == ""  # the module, and a CUDAGraph that has the method
+    monkeypatch.delattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
+    assert "cannot capture to a CUDA graph conditional node" in branch_capture_missing()
+    monkeypatch.setitem(sys.modules, "torch._higher_order_ops.cudagraph_conditional_nodes", None)  # import fails
+    why = branch_capture_missing()
+    assert why == f"torch {torch.__version__} has no CUDA graph conditional nodes (no if_else_node)"
+    with pytest.raises(ModbenchError, match=r"no CUDA graph conditional nodes.*expected decode step 'graph' or 'compile'"):
+        _if_else_node()

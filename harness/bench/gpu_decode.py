@@ -23,7 +23,9 @@ one warm-up generation, with each decoder of ``modbench.model.decode.generate``:
   each branch a CUDA graph conditional node (decided on the device); "compile-cond" compiles the
   step's parts with Inductor and captures them the same way on CUDA (on a CPU it branches on the
   host); "static-cond" branches on the host (a sync per routed layer on CUDA). For dense they equal
-  their plain step;
+  their plain step. On a torch without CUDA graph conditional nodes (torch 2.11, the lent GPU's:
+  ``static_decode.branch_capture_missing``) the "graph-cond" and "compile-cond" cells say so as "n/a"
+  at once, before any capture or compile;
 - ``reference-graph``, ``reference-compile`` (dense only): issue 38's yardstick, a plain static-cache
   decoder of the same dense model (``modbench.bench.reference_decoder``), its step captured in a CUDA
   graph or compiled with "reduce-overhead": the dense bar is modbench's fastest dense step ≥ 0.7× the
@@ -74,7 +76,7 @@ from modbench.bench.reference_decoder import ReferenceDecoder
 from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.model.decode import CUDA_ONLY_STEPS, STEPS, generate
 from modbench.model.gpt import GPT
-from modbench.model.static_decode import StaticDecoder
+from modbench.model.static_decode import BRANCH_CAPTURE_STEPS, StaticDecoder, branch_capture_missing
 from modbench.track.provenance import git_sha
 
 CAPACITY = 0.125
@@ -337,6 +339,8 @@ def _cells(out: Path, name: str, size: Size, device: torch.device, variants: lis
                     continue
                 if step in (*CUDA_ONLY_STEPS, "reference-graph") and device.type != "cuda":
                     cell.error = "n/a: a CUDA graph needs a CUDA device"
+                elif step in BRANCH_CAPTURE_STEPS and device.type == "cuda" and branch_capture_missing():
+                    cell.error = f"n/a: {branch_capture_missing()}"
                 else:
                     try:
                         measure(models[variant], size, cell, rounds, dry_run)

@@ -83,6 +83,7 @@ variant refuses.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -98,6 +99,8 @@ RUNNERS = ("eager", "graph", "compile")
 # generate's names for (runner, cond) (``modbench.model.decode.STEPS`` adds "dynamic", the old decoder)
 STATIC_STEPS = {"static": ("eager", False), "graph": ("graph", False), "compile": ("compile", False),
                 "static-cond": ("eager", True), "graph-cond": ("graph", True), "compile-cond": ("compile", True)}
+# The steps that capture each routed layer's branch as CUDA graph conditional nodes on CUDA (``branch_capture_missing``)
+BRANCH_CAPTURE_STEPS = ("graph-cond", "compile-cond")
 MODES = ("causal", "dense")  # as ``modbench.model.decode.DECODE_MODES`` (top-k needs the future)
 GRAPH_WARMUP = 2  # eager steps on a side stream before a CUDA graph capture (lazy cuBLAS/SDPA setup)
 COMPILE_WARMUP = 3  # compiled steps before timing: compile, then Inductor's CUDA graph warm-up and recording
@@ -222,15 +225,31 @@ def capture_cuda_graph(step: Callable[[Tensor], Tensor], idx: Tensor, warmup: in
     return graph, out
 
 
+def branch_capture_missing() -> str:
+    """Why this torch cannot capture a branch in a CUDA graph (``BRANCH_CAPTURE_STEPS`` on CUDA), or "" when it
+    can. That needs torch's ``if_else_node`` and the ``CUDAGraph`` methods it calls
+    (``begin_capture_to_if_node``); torch 2.11, the lent GPU machine's, has neither (read on 2026-11-27 in
+    its CUDA build: ``torch._higher_order_ops`` has no ``cudagraph_conditional_nodes``), so there the
+    "-cond" steps can branch on the host only ("static-cond")."""
+    try:
+        importlib.import_module("torch._higher_order_ops.cudagraph_conditional_nodes")
+    except ImportError:
+        return f"torch {torch.__version__} has no CUDA graph conditional nodes (no if_else_node)"
+    if not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
+        return f"torch {torch.__version__} cannot capture to a CUDA graph conditional node (a build without CUDA?)"
+    return ""
+
+
 def _if_else_node() -> Callable:
     """torch's capture of a branch as CUDA graph conditional nodes (``if_else_node(pred, true_fn,
     false_fn, operands)``, what Inductor's CUDA-graph trees run a ``torch.cond`` with); a torch
     without it cannot run the "-cond" steps in a CUDA graph."""
-    try:
-        from torch._higher_order_ops.cudagraph_conditional_nodes import if_else_node
-    except ImportError as e:
-        raise ModbenchError(f"torch {torch.__version__} cannot capture a branch in a CUDA graph ({e}); "
-                            "expected decode step 'graph' or 'compile'") from None
+    why = branch_capture_missing()
+    if why:
+        raise ModbenchError(f"{why}: cannot capture a branch in a CUDA graph; expected decode step 'graph' or "
+                            "'compile' (or 'static-cond', which branches on the host)")
+    from torch._higher_order_ops.cudagraph_conditional_nodes import if_else_node
+
     return if_else_node
 
 
