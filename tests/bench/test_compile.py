@@ -170,9 +170,13 @@ def _expert_counts(model: GPT, idx) -> list[tuple[int, ...]]:
     from modbench.model.gpt import TopOneMoE
 
     counts: list[tuple[int, ...]] = []
-    hooks = [m.gate.register_forward_hook(
-        lambda mod, args, out, n=len(m.experts): counts.append(tuple(torch.bincount(out[..., :n].argmax(-1).flatten(), minlength=n).tolist())))
-        for m in model.modules() if isinstance(m, TopOneMoE)]
+
+    def count(n: int):
+        def hook(module, args, out):  # the gate's logits: the first n are the real experts'
+            counts.append(tuple(torch.bincount(out[..., :n].argmax(-1).flatten(), minlength=n).tolist()))
+        return hook
+
+    hooks = [m.gate.register_forward_hook(count(len(m.experts))) for m in model.modules() if isinstance(m, TopOneMoE)]
     with torch.no_grad():
         model(idx, idx)
     for h in hooks:
