@@ -339,8 +339,8 @@ def _cells(out: Path, name: str, size: Size, device: torch.device, variants: lis
                     continue
                 if step in (*CUDA_ONLY_STEPS, "reference-graph") and device.type != "cuda":
                     cell.error = "n/a: a CUDA graph needs a CUDA device"
-                elif step in BRANCH_CAPTURE_STEPS and device.type == "cuda" and branch_capture_missing():
-                    cell.error = f"n/a: {branch_capture_missing()}"
+                elif step in BRANCH_CAPTURE_STEPS and device.type == "cuda" and (why := branch_capture_missing()):
+                    cell.error = f"n/a: {why}"
                 else:
                     try:
                         measure(models[variant], size, cell, rounds, dry_run)

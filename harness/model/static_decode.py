@@ -99,8 +99,9 @@ RUNNERS = ("eager", "graph", "compile")
 # generate's names for (runner, cond) (``modbench.model.decode.STEPS`` adds "dynamic", the old decoder)
 STATIC_STEPS = {"static": ("eager", False), "graph": ("graph", False), "compile": ("compile", False),
                 "static-cond": ("eager", True), "graph-cond": ("graph", True), "compile-cond": ("compile", True)}
-# The steps that capture each routed layer's branch as CUDA graph conditional nodes on CUDA (``branch_capture_missing``)
-BRANCH_CAPTURE_STEPS = ("graph-cond", "compile-cond")
+# The steps that capture each routed layer's branch as CUDA graph conditional nodes on CUDA (``branch_capture_missing``):
+# every "-cond" step but the one that branches on the host
+BRANCH_CAPTURE_STEPS = tuple(name for name, (runner, cond) in STATIC_STEPS.items() if cond and runner != "eager")
 MODES = ("causal", "dense")  # as ``modbench.model.decode.DECODE_MODES`` (top-k needs the future)
 GRAPH_WARMUP = 2  # eager steps on a side stream before a CUDA graph capture (lazy cuBLAS/SDPA setup)
 COMPILE_WARMUP = 3  # compiled steps before timing: compile, then Inductor's CUDA graph warm-up and recording
