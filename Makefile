@@ -182,11 +182,12 @@ clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks
 
 # The static decode step on a lent GPU (issue 38): first the CUDA-only exactness tests of tests/test_static_decode.py
-# (the CUDA graph and its conditional nodes against the eager step; their log → decode-cuda-tests.txt, a failure
-# does not stop the bench), then dense and sigmoid fixed:1,1 C = 0.125 at batch 1, 8 and 64, the old decoder against
-# the static step (eager, CUDA graph, compiled; masked and under torch.cond), one process → $(or $(OUT),reports/bench)/
-# decode-static-<gpu>.md and .json (modbench.bench.gpu_decode; --dry-run is its CPU check, tests/bench/test_gpu_decode.py).
-# STEPS=dynamic,graph,graph-cond,reference-graph skips the compiled cells (each compiles the whole 12-layer step).
+# (the CUDA graph, its conditional nodes and its split pieces against the eager step; their log → decode-cuda-tests.txt,
+# a failure does not stop the bench), then dense and sigmoid fixed:1,1 C = 0.125 at batch 1, 8 and 64, the old decoder
+# against the static step (eager, CUDA graph, compiled; masked, under torch.cond, and split at its branches), one
+# process → $(or $(OUT),reports/bench)/decode-static-<gpu>.md and .json (modbench.bench.gpu_decode; --dry-run is its
+# CPU check, tests/bench/test_gpu_decode.py). STEPS=dynamic,static-cond,graph,graph-split,reference-graph skips the
+# compiled cells (each compiles the whole 12-layer step, or its four parts).
 .PHONY: gpu-decode-bench
 gpu-decode-bench: gpu-pkg
 	mkdir -p $(or $(OUT),reports/bench)

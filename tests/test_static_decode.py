@@ -11,6 +11,8 @@ Swept over every registered variant and every "+aux" decode rule (as tests/test_
   path alone, ``torch.cond``) give the masked step's logits and cache bit for bit, eager and compiled
   (one fullgraph graph whose ``cond`` branches hold no host-syncing op), and such a layer runs none of
   its block's matmuls (counted by torch.profiler) while the masked step runs them all;
+- the "-split" steps (``split=True``: the step in pieces between the branches, each piece a CUDA graph
+  on CUDA, here rehearsed with ``eager_piece``) likewise, with one host read per branching layer and step;
 - no host sync: a decode step calls none of the host-reading tensor methods, and it compiles with
   ``torch.compile(fullgraph=True)`` into one graph with no host-syncing op, reused at every step (a
   graph break, a host read or a data-dependent shape would fail it). Backend "eager": Dynamo's
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import sys
 import types
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -36,8 +39,8 @@ from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.errors import ModbenchError
 from modbench.model.decode import STEPS, Decoder, generate, resolve_step, sample
 from modbench.model.gpt import GPT, RoutedBlock
-from modbench.model.static_decode import (StaticDecoder, StaticLayerCache, StaticSharedCache, _if_else_node,
-                                          branch_capture_missing, static_refusal)
+from modbench.model.static_decode import (StaticDecoder, StaticLayerCache, StaticSharedCache,
+                                          _if_else_node, branch_capture_missing, eager_piece, static_refusal)
 from modbench.run.causal_eval import calibrate_causal_rules
 
 ALL = variants.list_variants() + variants.decode_aliases()
@@ -176,6 +179,54 @@ def test_compiled_parts_and_the_traced_cond_equal_the_masked_step_bit_for_bit(na
     assert all(torch.equal(a, b) for a, b in zip(masked.state(), traced.state()))
 
 
+@pytest.mark.parametrize("name", [v for v in ROUTED if v in SYNC_FREE])
+def test_the_split_step_equals_the_masked_step_bit_for_bit(name):
+    """"graph-split" rehearsed on the CPU (``eager_piece``: each piece runs where a CUDA graph would replay):
+    the pieces, the branch buffers between them and the host's choice of side give the masked step's
+    logits and cache bit for bit at batch 1 and 3, for every routed variant (amod's exposing layers, nested
+    routing's and mor_token_choice's handoffs across a split included)."""
+    m = model(name)
+    for batch in (1, 3):
+        idx = torch.randint(0, 256, (batch, 16), generator=torch.Generator().manual_seed(4))
+        masked = StaticDecoder(m, batch, 16)
+        split = StaticDecoder(m, batch, 16, runner="graph", cond=True, split=True, capture_piece=eager_piece)
+        for a, b in zip(_fed(masked, idx), _fed(split, idx)):
+            assert torch.equal(a, b)
+        assert all(torch.equal(a, b) for a, b in zip(masked.state(), split.state()))
+        assert split.step_name == "graph-split" and len(split._pieces) == 1 + len(split._branch_layers()) > 1
+
+
+def test_compiled_split_parts_and_one_host_read_per_branch(monkeypatch):
+    """"compile-split" (Dynamo-compiled parts in the pieces, backend "eager") equals the masked step bit for
+    bit; a one-token step reads the host exactly once per branching routed layer (the predicate that picks
+    the side: a sync each on CUDA) and nothing else; ``prepare`` captures the pieces ahead, mid-generation,
+    leaving the cache as it was."""
+    m = model("sigmoid", ModelConfig(depth=4, n_embd=32, head_dim=8, max_seq_len=T), pattern="MDMM")
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(8))
+    torch._dynamo.reset()
+    masked = StaticDecoder(m, 2, 16)
+    split = StaticDecoder(m, 2, 16, runner="compile", cond=True, split=True, compile_backend="eager",
+                          capture_piece=eager_piece)
+    with torch.no_grad():
+        masked(idx[:, :4]), split(idx[:, :4])
+        before = [t.clone() for t in split.state()]
+        split.prepare()
+        assert all(torch.equal(x, y) for x, y in zip(before, split.state())) and len(split._pieces) == 4
+        reads = []
+        original = torch.Tensor.item
+
+        def counted(self, *args, **kw):
+            reads.append(self.shape)
+            return original(self, *args, **kw)
+
+        monkeypatch.setattr(torch.Tensor, "item", counted)
+        for t in range(4, 16):
+            assert torch.equal(masked(idx[:, t : t + 1]), split(idx[:, t : t + 1]))
+        monkeypatch.undo()
+    assert all(torch.equal(x, y) for x, y in zip(masked.state(), split.state()))
+    assert split.step_name == "compile-split" and len(reads) == 12 * 3 and all(r == () for r in reads)
+
+
 def test_one_compiled_graph_per_part_serves_every_layer():
     """"compile-cond" compiles four parts (route, processed, skipped, dense), not one graph per layer:
     a model twice as deep compiles no more graphs (and stays far from Dynamo's recompile limit), and
@@ -202,13 +253,16 @@ def _matmuls(call) -> int:
 
 
 @pytest.mark.parametrize("name", ["sigmoid", "mlp_skip", "token_choice", "dtrnet"])
-def test_a_layer_no_sequence_routes_to_runs_none_of_its_block_under_cond(name):
+@pytest.mark.parametrize("split", [False, True], ids=["static-cond", "graph-split"])
+def test_a_layer_no_sequence_routes_to_runs_none_of_its_block_under_cond(name, split):
     """Batch 1: each step's matmul count is the masked step's less a fixed number per routed layer that
     skips the token, so a skipped layer reads none of its routed weights (the roofline's saving); the
-    masked step runs every layer's block whatever the decisions."""
+    masked step runs every layer's block whatever the decisions. The same for a split step's replays."""
     m = model(name, ModelConfig(depth=4, n_embd=32, head_dim=8, max_seq_len=T), pattern="MDMM")
     idx = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(5))
-    masked, cond = StaticDecoder(m, 1, 20), StaticDecoder(m, 1, 20, cond=True)
+    masked = StaticDecoder(m, 1, 20)
+    cond = StaticDecoder(m, 1, 20, cond=True, **({"runner": "graph", "split": True, "capture_piece": eager_piece}
+                                                 if split else {}))
     with torch.no_grad():
         masked(idx[:, :4]), cond(idx[:, :4])
         cond(idx[:, 4:5]), masked(idx[:, 4:5])  # (the first torch.cond call traces its branches)
@@ -396,6 +450,15 @@ def test_step_choice_on_cpu():
     with pytest.raises(ModbenchError, match="'graph-cond' replays a CUDA graph.*expected 'auto', 'dynamic'") as e:
         generate(m, prompt(1), 3, step="graph-cond")
     assert "\n" not in str(e.value) and "'graph'" not in str(e.value).split("expected")[1]
+    assert "'graph-split'" not in str(e.value).split("expected")[1]
+    with pytest.raises(ModbenchError, match="'graph-split' replays a CUDA graph"):
+        generate(m, prompt(1), 3, step="graph-split")
+    with pytest.raises(ModbenchError, match="the split 'compile' runner captures a CUDA graph: the model is on cpu"):
+        StaticDecoder(m, 1, 8, runner="compile", cond=True, split=True)
+    with pytest.raises(ModbenchError, match="needs cond=True and runner 'graph' or 'compile'"):
+        StaticDecoder(m, 1, 8, runner="graph", split=True, capture_piece=eager_piece)
+    with pytest.raises(ModbenchError, match="needs cond=True"):
+        StaticDecoder(m, 1, 8, runner="eager", cond=True, split=True)
     assert isinstance(Decoder(m, 1, 8), Decoder)  # (the dynamic decoder is unchanged)
 
 
@@ -425,14 +488,34 @@ def test_cuda_graph_conditional_nodes_equal_the_eager_static_step(name, batch, s
     """On CUDA: "graph-cond" captures each routed layer's branch as CUDA graph conditional nodes, and
     "compile-cond" captures Inductor-compiled parts inside them; replayed, each generates the eager masked
     step's tokens and shares, its logits within rounding (Inductor's fused kernels round differently)."""
+    _assert_generates_the_eager_static_step(name, batch, step)
+
+
+def _assert_generates_the_eager_static_step(name: str, batch: int, step: str) -> None:
+    """On CUDA: ``step`` generates the eager masked step's tokens and shares, its logits within rounding (1e-4
+    for a compiled step: Inductor's fused kernels round differently)."""
     m = model(name).cuda()
     p = prompt(batch).cuda()
     eager = generate(m, p, 12, temperature=0, return_logits=True, step="static")
     graph = generate(m, p, 12, temperature=0, return_logits=True, step=step)
     assert graph.step == step and torch.equal(graph.tokens, eager.tokens)
-    tol = 1e-5 if step == "graph-cond" else 1e-4
+    tol = 1e-4 if step.startswith("compile") else 1e-5
     torch.testing.assert_close(graph.logits, eager.logits, atol=tol, rtol=tol)
     assert graph.processed_shares == pytest.approx(eager.processed_shares)
+
+
+SPLIT_CASES = [(n, b, "graph-split") for n in ("sigmoid", "mlp_skip", "token_choice", "mor_token_choice", "amod")
+               for b in (1, 4)] + [("sigmoid", 4, "compile-split")]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+@pytest.mark.parametrize("name,batch,step", SPLIT_CASES)
+def test_split_cuda_graphs_equal_the_eager_static_step(name, batch, step):
+    """On CUDA, on any torch (no conditional nodes needed): the step captured as CUDA graphs split at each
+    branch, the host picking each branch's side between replays, generates the eager masked step's tokens
+    and shares, its logits within rounding ("compile-split": Inductor's fused kernels round differently);
+    a layer's two sides and the pieces around it pass tensors through buffers that the captures fix."""
+    _assert_generates_the_eager_static_step(name, batch, step)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
@@ -444,7 +527,7 @@ def test_a_captured_cuda_decode_step_and_its_sampling_never_sync(step):
     run ahead of the GPU by many tokens."""
     m = model("sigmoid").cuda()
     spec = STEPS[step]
-    dec = StaticDecoder(m, 4, 16, mode="causal", runner=spec[0], cond=spec[1])
+    dec = StaticDecoder(m, 4, 16, mode="causal", **asdict(spec))
     dec.prepare()
     feed = prompt(4).cuda()
     dec(feed)  # the prefill (a multi-token step, eager)

@@ -26,6 +26,10 @@ one warm-up generation, with each decoder of ``modbench.model.decode.generate``:
   their plain step. On a torch without CUDA graph conditional nodes (torch 2.11, the lent GPU's:
   ``static_decode.branch_capture_missing``) the "graph-cond" and "compile-cond" cells say so as "n/a"
   at once, before any capture or compile;
+- ``graph-split``, ``compile-split``: those branches without conditional nodes, so on any torch: the
+  step (eager or compiled parts) captured as CUDA graphs split at each routed layer's branch, the host
+  reading the branch's predicate between them and replaying the graph of the side it takes (a sync per
+  routed layer and step, against whole layers' weight reads skipped);
 - ``reference-graph``, ``reference-compile`` (dense only): issue 38's yardstick, a plain static-cache
   decoder of the same dense model (``modbench.bench.reference_decoder``), its step captured in a CUDA
   graph or compiled with "reduce-overhead": the dense bar is modbench's fastest dense step ≥ 0.7× the
@@ -51,9 +55,10 @@ on this machine, one thread, Inductor compiling the "compile" steps: what ``cond
 read is free (make cpu-decode-static → reports/bench/decode-static-cpu.md).
 
 ``--dry-run``: the same code path on the CPU with a tiny model (d 64, depth 4, prompt 8 + 8, batch 1
-and 2, fp32), the "graph" steps recorded as not available (they need CUDA) and the "compile" steps traced by
-Dynamo's "eager" backend (fullgraph, no Inductor C++ compile), one thread: tests/bench/test_gpu_decode.py runs it,
-so the command cannot rot between GPU sessions. Needs only torch (no MLflow, Optuna or network).
+and 2, fp32), the "graph" and "graph-cond" steps recorded as not available (they need CUDA), the "-split"
+steps' pieces run eagerly instead of captured (``static_decode.eager_piece``) and the "compile" steps traced
+by Dynamo's "eager" backend (fullgraph, no Inductor C++ compile), one thread: tests/bench/test_gpu_decode.py
+runs it, so the command cannot rot between GPU sessions. Needs only torch (no MLflow, Optuna or network).
 """
 
 from __future__ import annotations
@@ -76,7 +81,7 @@ from modbench.bench.reference_decoder import ReferenceDecoder
 from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.model.decode import CUDA_ONLY_STEPS, STEPS, generate
 from modbench.model.gpt import GPT
-from modbench.model.static_decode import BRANCH_CAPTURE_STEPS, StaticDecoder, branch_capture_missing
+from modbench.model.static_decode import BRANCH_CAPTURE_STEPS, StaticDecoder, branch_capture_missing, eager_piece
 from modbench.track.provenance import git_sha
 
 CAPACITY = 0.125
@@ -86,8 +91,8 @@ REALISED_BAR = 0.60  # issue 38: a routed step's speed-up ≥ 60 % of its roofli
 # the default order: the compiles (slowest to set up) last
 # issue 38's yardstick, dense only: a plain static-cache decoder (``modbench.bench.reference_decoder``)
 REFERENCE_STEPS = ("reference-graph", "reference-compile")
-DEFAULT_STEPS = ("dynamic", "static", "static-cond", "graph", "graph-cond", "reference-graph", "compile", "compile-cond",
-                 "reference-compile")
+DEFAULT_STEPS = ("dynamic", "static", "static-cond", "graph", "graph-cond", "graph-split", "reference-graph", "compile",
+                 "compile-cond", "compile-split", "reference-compile")
 DENSE_BAR_REFERENCE = 0.7  # issue 38: modbench's dense decode ≥ 0.7× the compiled reference
 
 
@@ -149,9 +154,9 @@ def _decoder(model: GPT, size: Size, batch: int, step: str, dry_run: bool) -> St
     spec = STEPS[step]
     if spec is None:
         return None
-    runner, cond = spec
-    return StaticDecoder(model, batch, size.prompt + size.new_tokens - 1, runner=runner, cond=cond,
-                         compile_backend="eager" if dry_run and runner == "compile" else None)
+    return StaticDecoder(model, batch, size.prompt + size.new_tokens - 1, **asdict(spec),
+                         compile_backend="eager" if dry_run and spec.runner == "compile" else None,
+                         capture_piece=eager_piece if dry_run and spec.split else None)
 
 
 def roofline(model: GPT, size: Size, cell: Cell, machine: decode_roofline.Machine) -> float | None:
@@ -205,7 +210,7 @@ def fmt(x: float | None, digits: int = 0) -> str:
 
 
 def markdown(env: dict, size: Size, variants: list[str], steps: list[str], cells: list[Cell],
-             machine: decode_roofline.Machine) -> str:
+             machine: decode_roofline.Machine, dry_run: bool = False) -> str:
     """Decode tokens/s per (batch, step), one column per variant, routed ÷ dense, the static steps'
     speed-up over the old decoder, and the bars of issue 38."""
     at = {(c.variant, c.batch, c.step): c for c in cells}
@@ -216,7 +221,8 @@ def markdown(env: dict, size: Size, variants: list[str], steps: list[str], cells
         f"torch {env['torch']} (CUDA {env['cuda']}), Python {env['python']}, {env['date']}, commit {env['commit']}. d {size.d_model}, depth "
         f"{size.depth}, head {size.head_dim}, {size.dtype} weights; prompt {size.prompt} + {size.new_tokens - 1} decode "
         f"steps; decode tokens/s (prefill, capture and compile excluded), median of the timed generations. Routed: "
-        f"pattern {PATTERN}, C = {CAPACITY} (realised share in brackets). `python -m modbench.bench.gpu_decode`.",
+        f"pattern {PATTERN}, C = {CAPACITY} (realised share in brackets). `python -m modbench.bench.gpu_decode`." +
+        (" Dry run: the -split steps' pieces run eagerly, not as CUDA graphs." if dry_run else ""),
         "",
         "| batch | step | " + " | ".join(f"{v} tok/s" for v in variants) + "".join(f" | {v} ÷ dense" for v in routed) + " |",
         "|---|---|" + "---|" * (len(variants) + len(routed)),
@@ -302,7 +308,7 @@ def write(out: Path, name: str, env: dict, size: Size, variants: list[str], step
     record = {"environment": env, "size": asdict(size), "capacity": CAPACITY, "pattern": PATTERN, "dry_run": dry_run,
               "machine": asdict(machine), "variants": variants, "steps": steps, "cells": [asdict(c) for c in cells]}
     (out / f"{name}.json").write_text(json.dumps(record, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(env, size, variants, steps, cells, machine))
+    (out / f"{name}.md").write_text(markdown(env, size, variants, steps, cells, machine, dry_run))
 
 
 def run(out: Path, name: str, *, variants: list[str], steps: list[str], batches: tuple[int, ...] | None = None,
@@ -337,7 +343,8 @@ def _cells(out: Path, name: str, size: Size, device: torch.device, variants: lis
                 if step in REFERENCE_STEPS and variant != "dense":
                     cells.pop()  # the yardstick decodes the dense model alone
                     continue
-                if step in (*CUDA_ONLY_STEPS, "reference-graph") and device.type != "cuda":
+                rehearsed = dry_run and step in STEPS and STEPS[step] is not None and STEPS[step].split
+                if step in (*CUDA_ONLY_STEPS, "reference-graph") and device.type != "cuda" and not rehearsed:
                     cell.error = "n/a: a CUDA graph needs a CUDA device"
                 elif step in BRANCH_CAPTURE_STEPS and device.type == "cuda" and (why := branch_capture_missing()):
                     cell.error = f"n/a: {why}"

@@ -31,8 +31,10 @@ sync, for a CUDA graph or ``torch.compile``. ``generate(step=...)`` picks the de
 module's ``Decoder``), "static" (the static step, eager), "graph" (its one-token step replayed from a
 CUDA graph), "compile" (under ``torch.compile(fullgraph=True)``, "reduce-overhead" on CUDA), each also
 as "<step>-cond" (a routed layer that no sequence of the batch routes to runs its skip path alone,
-``torch.cond``: the static step's way to keep MoD's decode saving; "graph-cond" decides on the device
-through CUDA graph conditional nodes, the others on the host), or "auto":
+``torch.cond``: the static step's way to keep MoD's decode saving; "graph-cond", and "compile-cond" on
+CUDA, decide on the device through CUDA graph conditional nodes, "static-cond" on the host), as
+"graph-split" and "compile-split" (the same branches, the step captured as CUDA graphs split at each
+one and the host reading its predicate between them: for a torch without conditional nodes), or "auto":
 "graph" on CUDA for every variant whose routers allow it (``Router.static_decode_refusal``), else
 "dynamic" — on a CPU a host read is free and the dynamic decoder skips the work of skipped tokens.
 
@@ -45,7 +47,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -53,12 +55,12 @@ from torch import Tensor
 
 from modbench.errors import ModbenchError, accepted
 from modbench.model.gpt import GPT, Attention, AttentionSummary, RoutedBlock, attention_summary
-from modbench.model.static_decode import MODES, STATIC_STEPS, RoutingTally, StaticDecoder, static_refusal
+from modbench.model.static_decode import MODES, STATIC_STEPS, RoutingTally, StaticDecoder, StepSpec, static_refusal
 
 DECODE_MODES = MODES  # ("causal", "dense"): top-k cannot decode, it needs the future
-# generate's decoders (module doc): step name → the ``StaticDecoder``'s (runner, cond) (None: the dynamic ``Decoder``)
-STEPS: dict[str, tuple[str, bool] | None] = {"dynamic": None, **STATIC_STEPS}
-CUDA_ONLY_STEPS = tuple(name for name, spec in STATIC_STEPS.items() if spec[0] == "graph")
+# generate's decoders (module doc): step name → the ``StaticDecoder``'s options (None: the dynamic ``Decoder``)
+STEPS: dict[str, StepSpec | None] = {"dynamic": None, **STATIC_STEPS}
+CUDA_ONLY_STEPS = tuple(name for name, spec in STATIC_STEPS.items() if spec.captures)
 
 
 # --- the KV cache -------------------------------------------------------------------------
@@ -413,7 +415,7 @@ def generate(
             step = resolve_step(model, step, mode)
             spec = STEPS[step]
             decoder = Decoder(model, B, P + max_new_tokens - 1, mode=mode) if spec is None else \
-                StaticDecoder(model, B, P + max_new_tokens - 1, mode=mode, runner=spec[0], cond=spec[1])
+                StaticDecoder(model, B, P + max_new_tokens - 1, mode=mode, **asdict(spec))
         else:
             _check_reused(decoder, model, B, P + max_new_tokens - 1, mode)
             decoder.reset()

@@ -44,7 +44,16 @@ them is taken
   the host. The warm-up before it runs both branches (their lazy set-up and compiles);
 - on the host otherwise ("static-cond"; "compile-cond" on a CPU): one read per routed layer and step,
   free on a CPU (a sync each on CUDA). That is what an eager ``torch.cond`` does after its Dynamo
-  trace and guard check (about 0.5 ms a call on a CPU), so the step branches in Python.
+  trace and guard check (about 0.5 ms a call on a CPU), so the step branches in Python;
+- on the host between CUDA graphs ("graph-split", "compile-split": ``StepSpec.split``), for a torch
+  without conditional nodes (2.11, the lent GPU's: ``branch_capture_missing``): the step captured in
+  pieces split at each branching layer, piece k from the layer after branch k − 1 to branch k's
+  decision, and each branch's two sides captured apart, both writing the layer's output into one
+  buffer that piece k + 1 reads (``_capture_pieces``). A replay runs a piece, reads the predicate (a
+  sync per routed layer), and replays the side it picks, so a skipped layer launches none of its
+  block's kernels; the pieces are the same functions whatever runs them, and ``eager_piece`` runs them
+  without CUDA (the CPU tests, the decode bench's dry run). vLLM's piecewise CUDA graphs split a model
+  at its attention the same way, leaving that part to the host.
 "compile-cond" compiles each part once (``compiled_parts``: Inductor's kernels, one graph per part
 serving every layer; Inductor's default mode, whose code a capture can hold). Why not compile the
 whole step with a ``torch.cond``: Inductor lowers it to a host ``if pred.item()`` and will not
@@ -87,6 +96,7 @@ import importlib
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -96,12 +106,37 @@ from modbench.errors import ModbenchError, accepted
 from modbench.model.gpt import GPT, Attention, AttentionSummary, RoutedBlock, attention_summary
 
 RUNNERS = ("eager", "graph", "compile")
-# generate's names for (runner, cond) (``modbench.model.decode.STEPS`` adds "dynamic", the old decoder)
-STATIC_STEPS = {"static": ("eager", False), "graph": ("graph", False), "compile": ("compile", False),
-                "static-cond": ("eager", True), "graph-cond": ("graph", True), "compile-cond": ("compile", True)}
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """How a static step runs: ``StaticDecoder``'s options for one of ``generate``'s step names."""
+
+    runner: str
+    """How a one-token call runs the step (``RUNNERS``, module doc)."""
+    cond: bool = False
+    """A routed layer that no sequence of the batch routes to runs its skip path alone (``torch.cond``)."""
+    split: bool = False
+    """(with ``cond``, a "graph" or "compile" runner) The step captured as CUDA graphs split at each branch, the
+    host reading the branch's predicate between them, instead of one graph with conditional nodes."""
+
+    @property
+    def captures(self) -> bool:
+        """Whether the step replays CUDA graphs of its own (so needs CUDA); "compile" without ``cond`` leaves
+        its CUDA graphs to Inductor ("reduce-overhead"), "compile-cond" captures them on CUDA only."""
+        return self.runner == "graph" or self.split
+
+
+# generate's names for the static steps (``modbench.model.decode.STEPS`` adds "dynamic", the old decoder)
+STATIC_STEPS = {"static": StepSpec("eager"), "graph": StepSpec("graph"), "compile": StepSpec("compile"),
+                "static-cond": StepSpec("eager", cond=True), "graph-cond": StepSpec("graph", cond=True),
+                "compile-cond": StepSpec("compile", cond=True),
+                "graph-split": StepSpec("graph", cond=True, split=True),
+                "compile-split": StepSpec("compile", cond=True, split=True)}
 # The steps that capture each routed layer's branch as CUDA graph conditional nodes on CUDA (``branch_capture_missing``):
 # every "-cond" step but the one that branches on the host
-BRANCH_CAPTURE_STEPS = tuple(name for name, (runner, cond) in STATIC_STEPS.items() if cond and runner != "eager")
+BRANCH_CAPTURE_STEPS = tuple(name for name, spec in STATIC_STEPS.items()
+                             if spec.cond and spec.runner != "eager" and not spec.split)
 MODES = ("causal", "dense")  # as ``modbench.model.decode.DECODE_MODES`` (top-k needs the future)
 GRAPH_WARMUP = 2  # eager steps on a side stream before a CUDA graph capture (lazy cuBLAS/SDPA setup)
 COMPILE_WARMUP = 3  # compiled steps before timing: compile, then Inductor's CUDA graph warm-up and recording
@@ -226,6 +261,24 @@ def capture_cuda_graph(step: Callable[[Tensor], Tensor], idx: Tensor, warmup: in
     return graph, out
 
 
+def cuda_graph_piece(piece: Callable[[], None]) -> Callable[[], None]:
+    """A split step's piece (``StepSpec.split``) captured in a CUDA graph of its own (its own memory pool, so
+    that whatever it leaves alive stays put whichever branch replays later); returns its replay. The
+    piece's warm-up ran before (``StaticDecoder._capture_pieces``)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        piece()
+    return graph.replay
+
+
+def eager_piece(piece: Callable[[], None]) -> Callable[[], None]:
+    """A split step's piece "captured" without CUDA: run now (as a capture records it) and again at each
+    replay. It rehearses everything of the split steps but the CUDA graphs on a CPU: tests, and the decode
+    bench's dry run (``modbench.bench.gpu_decode``)."""
+    piece()
+    return piece
+
+
 def branch_capture_missing() -> str:
     """Why this torch cannot capture a branch in a CUDA graph (``BRANCH_CAPTURE_STEPS`` on CUDA), or "" when it
     can. That needs torch's ``if_else_node`` and the ``CUDAGraph`` methods it calls
@@ -307,6 +360,44 @@ class StepParts:
 EAGER_PARTS = StepParts(route_part, processed_part, skipped_part, dense_part)
 
 
+class _Carry(NamedTuple):
+    """What one layer of a step hands the next: the residual stream ``x``, the new tokens' rotations, their
+    number, and what the next router reads of the last routed layer (``previous``: its decisions, for
+    nested routing; its handoff, for mor_token_choice's depths chosen up front; or an attention's summary,
+    for amod).
+
+    Immutable, each layer making a new one: under torch 2.13 Dynamo loses an attribute written to a Python
+    object after a traced ``torch.cond`` (a later read returns the value from before the write, silently;
+    torch 2.11 keeps it), which made the whole step traced with ``torch.cond`` compute wrong logits."""
+
+    x: Tensor
+    cos: Tensor
+    sin: Tensor
+    n: int
+    previous: object | None = None
+
+    def with_x(self, x: Tensor) -> _Carry:
+        return _Carry(x, self.cos, self.sin, self.n, self.previous)
+
+    def with_previous(self, previous: object | None) -> _Carry:
+        return _Carry(self.x, self.cos, self.sin, self.n, previous)
+
+    def routed(self, x: Tensor, decide: Tensor, handoff: object | None) -> _Carry:
+        """After a routed layer: its output, and what the next router reads of it."""
+        return _Carry(x, self.cos, self.sin, self.n, decide if handoff is None else handoff)
+
+
+@dataclass
+class _Piece:
+    """One CUDA graph of a split step (``StaticDecoder._capture_pieces``) and, unless it is the last, the
+    branch that follows it: the predicate's name in the pieces' shared box, and the graphs of its two sides."""
+
+    replay: Callable[[], None]
+    pred: tuple | None = None  # the box's key of the branch's predicate, a 0-dim bool tensor
+    processed: Callable[[], None] | None = None
+    skipped: Callable[[], None] | None = None
+
+
 def compiled_parts(backend: str | Callable = "inductor") -> StepParts:
     """Each part under ``torch.compile(fullgraph=True, dynamic=False)`` (Inductor's default mode: no CUDA
     graphs of its own, so that a capture of the whole step can hold them)."""
@@ -339,13 +430,17 @@ class StaticDecoder(RoutingTally):
 
     ``step`` is the static, sync-free computation; ``runner`` says how a one-token call runs it
     (``RUNNERS``, module doc); ``cond``: a routed layer no sequence routes to runs its skip path alone
-    (``torch.cond``, module doc). ``compile_backend`` overrides torch.compile's backend for the
-    "compile" runner (tests use "eager": Dynamo's tracing, no code generation). ``reset`` empties
-    the caches so that one decoder (and its captured graph or compiled step) serves many generations.
+    (``torch.cond``, module doc); ``split`` (with ``cond``): the step captured in pieces between the branches,
+    the host choosing each branch's graph (``StepSpec``, module doc). ``compile_backend`` overrides
+    torch.compile's backend for the "compile" runner (tests use "eager": Dynamo's tracing, no code
+    generation); ``capture_piece`` overrides how a ``split`` step captures a piece (default
+    ``cuda_graph_piece``; ``eager_piece`` rehearses it on a CPU). ``reset`` empties the caches so that one
+    decoder (and its captured graphs or compiled step) serves many generations.
     """
 
     def __init__(self, model: GPT, batch: int, max_len: int, *, mode: str = "causal", runner: str = "eager",
-                 cond: bool = False, compile_backend: str | Callable | None = None) -> None:
+                 cond: bool = False, split: bool = False, compile_backend: str | Callable | None = None,
+                 capture_piece: Callable[[Callable[[], None]], Callable[[], None]] | None = None) -> None:
         if mode not in MODES:
             raise ModbenchError(f"cannot decode with routing mode {mode!r}: expected {accepted(MODES)} "
                                 "(top-k needs the scores of future tokens)")
@@ -358,27 +453,36 @@ class StaticDecoder(RoutingTally):
         if why is not None:
             raise ModbenchError(f"variant {model.routing.variant!r} cannot decode with the static step ({why}); "
                                 "use the dynamic decoder (generate(step='dynamic'))")
+        if split and (not cond or runner == "eager"):
+            raise ModbenchError("a split step captures the pieces between routed layers' branches: it needs cond=True "
+                                "and runner 'graph' or 'compile' (expected steps 'graph-split' or 'compile-split')")
         p = model.head.weight
-        if runner == "graph" and p.device.type != "cuda":
-            raise ModbenchError(f"the 'graph' runner captures a CUDA graph: the model is on {p.device.type}, "
-                                "expected cuda (use runner 'eager' or 'compile')")
+        if (runner == "graph" or split) and p.device.type != "cuda" and capture_piece is None:
+            what = f"the split {runner!r} runner" if split else f"the {runner!r} runner"
+            raise ModbenchError(f"{what} captures a CUDA graph: the model is on {p.device.type}, expected cuda "
+                                "(use runner 'eager' or 'compile')")
         self.model, self.mode, self.batch, self.max_len, self.runner = model, mode, batch, max_len, runner
         self.routed = mode == "causal"
-        self.cond = cond
-        if cond and (runner == "graph" or (runner == "compile" and p.device.type == "cuda")):
+        self.cond, self.split = cond, split
+        if cond and not split and (runner == "graph" or (runner == "compile" and p.device.type == "cuda")):
             _if_else_node()  # (fails now, with the reason, where this torch cannot capture a branch)
         self.compile_backend = compile_backend
+        self.capture_piece = capture_piece or cuda_graph_piece
         self.pos = torch.zeros((), dtype=torch.long, device=p.device)  # the next token's position
         hd = cfg.width // cfg.heads
         self.caches: list[StaticLayerCache | StaticSharedCache] = []
         for src in model.kv_sources:  # a later step under recursive KV sharing reads step 0's cache
             self.caches.append(StaticLayerCache(batch, cfg.heads, max_len, hd, p.device, p.dtype, self.pos)
                                if src is None else StaticSharedCache(self.caches[src]))
-        n_routed = sum(isinstance(layer, RoutedBlock) for layer in model.layers)
-        self.processed = torch.zeros(n_routed, dtype=torch.long, device=p.device)  # per routed layer, on the device
+        # per layer: its index among the routed layers when it routes (mode "causal"), for ``processed``
+        routed = [i for i, layer in enumerate(model.layers) if isinstance(layer, RoutedBlock)]
+        self._routed_index = {i: j for j, i in enumerate(routed)} if self.routed else {}
+        self.processed = torch.zeros(len(routed), dtype=torch.long, device=p.device)  # per routed layer, on the device
         self.fed = 0  # tokens fed per sequence, counted on the host (bounds and shares: no sync)
-        # "-cond" steps in a CUDA graph: "graph-cond" (eager parts) and, on CUDA, "compile-cond" (compiled parts)
-        self.graphed = runner == "graph" or (runner == "compile" and cond and p.device.type == "cuda")
+        # one CUDA graph: "graph", "graph-cond" (eager parts) and, on CUDA, "compile-cond" (compiled parts)
+        self.graphed = not split and (runner == "graph" or (runner == "compile" and cond and p.device.type == "cuda"))
+        self._pieces: list[_Piece] | None = None  # a split step's captured pieces (``_capture_pieces``)
+        self._box: dict = {}  # the tensors its pieces pass each other
         self._parts: StepParts | None = None  # the one-token step's parts (compiled ones built on first use)
         self._branching = "host"  # how ``_routed`` branches: "host", "warm-up" or "capture" (``_capture``)
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -389,7 +493,7 @@ class StaticDecoder(RoutingTally):
     @property
     def step_name(self) -> str:
         """``generate``'s name for this decoder (``STATIC_STEPS``)."""
-        return next(name for name, spec in STATIC_STEPS.items() if spec == (self.runner, self.cond))
+        return next(name for name, spec in STATIC_STEPS.items() if spec == StepSpec(self.runner, self.cond, self.split))
 
     # --- state ---------------------------------------------------------------------------------
     def state(self) -> list[Tensor]:
@@ -432,7 +536,9 @@ class StaticDecoder(RoutingTally):
             raise ValueError(f"decoder was built for batch {self.batch}, got {B}")
         if self.fed + n > self.max_len:
             raise ModbenchError(f"decoding past {self.max_len} tokens: raise the decoder's max_len")
-        if n == 1 and self.graphed:
+        if n == 1 and self.split:
+            logits = self._replay_pieces(idx)
+        elif n == 1 and self.graphed:
             logits = self._replay(idx)
         elif n == 1 and self.runner == "compile" and not self.cond:
             logits = self._compiled_step(idx)
@@ -447,28 +553,44 @@ class StaticDecoder(RoutingTally):
         """The static step: (B, n) tokens at positions ``pos`` … ``pos`` + n − 1 → logits (B, n, V).
         Shapes depend on (B, n, max_len) alone, state changes in place, and nothing is read on the host
         except, for a "-cond" step outside a CUDA graph, one flag per routed layer (``_routed``)."""
+        carry = self._begin(idx)
+        for i in range(len(self.model.layers)):
+            carry = self._layer(carry, i, parts)
+        return self._end(carry)
+
+    def _begin(self, idx: Tensor) -> _Carry:
+        """The embedded tokens and their rotations (from the device position)."""
         m = self.model
         slots = _slots(self.pos, idx.shape[1])
-        cos, sin = m.rope_cos.index_select(0, slots), m.rope_sin.index_select(0, slots)
-        x = m.embed(idx)
-        previous = None  # the last routed layer's decisions (nested routing), its handoff, or attention (amod)
-        j = 0  # the routed layer's index
-        for layer, cache in zip(m.layers, self.caches):
-            attn = layer.block.attn
-            # (an attention that exposes its summary to the next router sets a module attribute: kept eager)
-            own = EAGER_PARTS if attn.expose else parts
-            if isinstance(layer, RoutedBlock) and self.routed:
-                x, decide, handoff = own.route(layer, cache, x, cos, sin, previous)
-                self.processed[j] += decide.sum()
-                x = self._routed(own, layer, cache, x, decide, handoff, cos, sin)
-                previous = decide if handoff is None else handoff  # (mor_token_choice: the depths chosen up front)
-                j += 1
-            else:
-                x = own.dense(layer, cache, x, cos, sin)
-            if attn.expose:  # the next router reads this layer's attention (amod)
-                previous = attn.take_exposed()
-        self.pos.add_(idx.shape[1])
-        return m.head(m.norm(x))
+        return _Carry(m.embed(idx), m.rope_cos.index_select(0, slots), m.rope_sin.index_select(0, slots), idx.shape[1])
+
+    def _layer(self, carry: _Carry, i: int, parts: StepParts) -> _Carry:
+        """Layer ``i`` of the step after ``carry``, a routed layer's branch included (``_routed``)."""
+        layer, cache = self.model.layers[i], self.caches[i]
+        attn = layer.block.attn
+        # (an attention that exposes its summary to the next router sets a module attribute: kept eager)
+        own = EAGER_PARTS if attn.expose else parts
+        if i in self._routed_index:
+            carry, decide, handoff = self._route(carry, i, own)
+            x = self._routed(own, layer, cache, carry.x, decide, handoff, carry.cos, carry.sin)
+            carry = carry.routed(x, decide, handoff)
+        else:
+            carry = carry.with_x(own.dense(layer, cache, carry.x, carry.cos, carry.sin))
+        if attn.expose:  # the next router reads this layer's attention (amod)
+            carry = carry.with_previous(attn.take_exposed())
+        return carry
+
+    def _route(self, carry: _Carry, i: int, parts: StepParts) -> tuple[_Carry, Tensor, object | None]:
+        """Routed layer ``i`` up to its decision (``route_part``), counted: (carry, decide (B, n) bool, handoff)."""
+        x, decide, handoff = parts.route(self.model.layers[i], self.caches[i], carry.x, carry.cos, carry.sin,
+                                         carry.previous)
+        self.processed[self._routed_index[i]] += decide.sum()
+        return carry.with_x(x), decide, handoff
+
+    def _end(self, carry: _Carry) -> Tensor:
+        """The logits, and the position moved past the fed tokens."""
+        self.pos.add_(carry.n)
+        return self.model.head(self.model.norm(carry.x))
 
     def _routed(self, parts: StepParts, layer: RoutedBlock, cache, x: Tensor, decide: Tensor,
                 handoff: object | None, cos: Tensor, sin: Tensor) -> Tensor:
@@ -509,7 +631,10 @@ class StaticDecoder(RoutingTally):
         caches as they were, so that a generation's timing starts at steady state (``generate`` calls
         it before its clock and reports its time as ``Generation.setup_seconds``). Idempotent; nothing
         to do for "eager". Call it under the autocast the steps will run under."""
-        if self.graphed:
+        if self.split:
+            if self._pieces is None:
+                self._capture_pieces()
+        elif self.graphed:
             if self._graph is None:
                 self._capture()
         elif self.runner == "compile" and not self.cond and self._compiled is None:
@@ -563,6 +688,95 @@ class StaticDecoder(RoutingTally):
             self._graph, self._graph_out = capture_cuda_graph(
                 lambda idx: self.step(idx, parts), self._graph_idx,
                 warming=lambda: self._branching_as("warm-up"), capturing=lambda: self._branching_as("capture"))
+
+    # --- the split steps ------------------------------------------------------------------------
+    def _branch_layers(self) -> list[int]:
+        """The layers whose branch splits the step: the routed ones that branch (``_routed``)."""
+        return [i for i in self._routed_index if not self.model.layers[i].block.attn.expose]
+
+    def _replay_pieces(self, idx: Tensor) -> Tensor:
+        """A one-token step of a split decoder: each piece's graph, and after it the graph of the side its
+        branch takes, read on the host (one read, and so one sync on CUDA, per branching layer)."""
+        if self._pieces is None:
+            self._capture_pieces()
+        self._graph_idx.copy_(idx)
+        for piece in self._pieces:
+            piece.replay()
+            if piece.pred is not None:
+                (piece.processed if self._box[piece.pred].item() else piece.skipped)()
+        return self._box["logits"].clone()  # the next replay overwrites it
+
+    @torch.no_grad()
+    def _capture_pieces(self) -> None:
+        """Capture the one-token step as pieces (``capture_piece`` each): piece k runs from the layer after
+        branch k − 1 to branch k's decision (the last one to the logits); branch k's two sides, captured
+        apart, each write the layer's output into one buffer, where piece k + 1 reads it. Tensors pass
+        between pieces through one box whose entries the captures fix (a replay rewrites them in place).
+        Warm-up first, each piece and both sides of each branch eagerly on a side stream (lazy set-up and
+        compiles outside the captures), all of it inside ``_scratch``: capturing changes nothing."""
+        device = self.pos.device
+        self._graph_idx = torch.zeros(self.batch, 1, dtype=torch.long, device=device)
+        self._box.clear()
+        pieces, sides = self._piece_functions(self._graph_idx, self._one_token_parts())
+        with self._scratch(), _uncached_autocast(device):
+            cuda = device.type == "cuda"
+            side = torch.cuda.Stream(device) if cuda else None
+            if cuda:
+                side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side) if cuda else nullcontext():
+                for _ in range(GRAPH_WARMUP):
+                    for k, piece in enumerate(pieces):
+                        piece()
+                        if k < len(sides):
+                            sides[k][0](), sides[k][1]()
+            if cuda:
+                torch.cuda.current_stream(device).wait_stream(side)
+            self._pieces = []
+            for k, piece in enumerate(pieces):
+                replay = self.capture_piece(piece)
+                if k == len(sides):
+                    self._pieces.append(_Piece(replay))
+                else:
+                    processed, skipped = (self.capture_piece(f) for f in sides[k])
+                    self._pieces.append(_Piece(replay, ("pred", k), processed, skipped))
+
+    def _piece_functions(self, idx: Tensor, parts: StepParts) -> tuple[list[Callable], list[tuple[Callable, Callable]]]:
+        """(pieces, per branch its (processed, skipped) sides) of the one-token step on ``idx``, as functions
+        of no argument that pass tensors through ``self._box`` (``_capture_pieces``)."""
+        box, layers = self._box, self.model.layers
+        branches = self._branch_layers()
+        starts = [0] + [i + 1 for i in branches]
+        stops = branches + [len(layers)]
+
+        def piece(k: int) -> Callable[[], None]:
+            def run() -> None:
+                if k == 0:
+                    carry = self._begin(idx)
+                else:  # branch k − 1's output, from its buffer
+                    carry = box["carry"].routed(box["out", k - 1], *box["branch", k - 1])
+                for i in range(starts[k], stops[k]):
+                    carry = self._layer(carry, i, parts)
+                if k == len(branches):
+                    box["logits"] = self._end(carry)
+                    return
+                carry, decide, handoff = self._route(carry, branches[k], parts)
+                box["carry"], box["branch", k] = carry, (decide, handoff)
+                box["pred", k] = decide.any()
+                if ("out", k) not in box:  # (the warm-up allocates it: outside any capture, one address for good)
+                    box["out", k] = torch.empty_like(carry.x)
+            return run
+
+        def side(k: int, processed: bool) -> Callable[[], None]:
+            def run() -> None:
+                layer, cache, carry = layers[branches[k]], self.caches[branches[k]], box["carry"]
+                decide, handoff = box["branch", k]
+                y = (parts.processed(layer, cache, handoff, carry.x, decide, carry.cos, carry.sin) if processed
+                     else parts.skipped(layer, carry.x))
+                box["out", k].copy_(y)
+            return run
+
+        return ([piece(k) for k in range(len(branches) + 1)],
+                [(side(k, True), side(k, False)) for k in range(len(branches))])
 
     def _compiled_step(self, idx: Tensor) -> Tensor:
         cuda = self.pos.device.type == "cuda"

@@ -2,7 +2,8 @@
 
 Its ``--dry-run`` is the very command a lent GPU runs, on a tiny fp32 model: every decoder of
 ``generate`` (the old dynamic decoder, the static step eager and compiled, masked and under
-``torch.cond``; the CUDA graphs recorded as not available here) at two batch sizes, for dense and sigmoid, written as markdown and JSON with the
+``torch.cond`` or split at its branches; the CUDA graphs recorded as not available here, the split steps'
+pieces run eagerly) at two batch sizes, for dense and sigmoid, written as markdown and JSON with the
 environment. So the prepared command cannot rot between GPU sessions.
 """
 
@@ -45,6 +46,10 @@ def test_dry_run_writes_every_cell(tmp_path, capsys):
     assert "Bars of issue 38" in md and "(H100: ≥ 1,400; not an H100)" in md and "the compiled reference (" in md
     assert md.count("| sigmoid | static-cond |") == 2  # one bar row per batch
     assert "| 2 | graph-cond |" in md and "Set-up (capture or compile" in md and "B2 compile-cond" in md
+    # the split steps' pieces run eagerly in the dry run (``eager_piece``), so their code path is timed here too
+    assert all(cells[v, b, s]["error"] is None for v in ("dense", "sigmoid") for b in (1, 2)
+               for s in ("graph-split", "compile-split"))
+    assert "B2 graph-split" in md and "pieces run eagerly" in md
     assert md.count("\n| ") >= 2 * 9 + 4 and "decode-static-dry.md" in capsys.readouterr().out
 
 
