@@ -343,7 +343,8 @@ def _cells(out: Path, name: str, size: Size, device: torch.device, variants: lis
                 if step in REFERENCE_STEPS and variant != "dense":
                     cells.pop()  # the yardstick decodes the dense model alone
                     continue
-                rehearsed = dry_run and step in STEPS and STEPS[step] is not None and STEPS[step].split
+                spec = STEPS.get(step)  # (None: the dynamic decoder or the reference one)
+                rehearsed = dry_run and spec is not None and spec.split  # pieces run eagerly (eager_piece)
                 if step in (*CUDA_ONLY_STEPS, "reference-graph") and device.type != "cuda" and not rehearsed:
                     cell.error = "n/a: a CUDA graph needs a CUDA device"
                 elif step in BRANCH_CAPTURE_STEPS and device.type == "cuda" and (why := branch_capture_missing()):
