@@ -227,6 +227,22 @@ def test_compiled_split_parts_and_one_host_read_per_branch(monkeypatch):
     assert split.step_name == "compile-split" and len(reads) == 12 * 3 and all(r == () for r in reads)
 
 
+def test_one_split_decoder_serves_many_generations():
+    """A split decoder captures its pieces once (``generate`` prepares it) and ``reset`` empties the caches in
+    place under them: a reused one generates, greedily, the fresh masked step's tokens and logits again."""
+    m = model("sigmoid")
+    p = prompt(2)
+    fresh = generate(m, p, 10, temperature=0, return_logits=True, step="static")
+    dec = StaticDecoder(m, 2, 4 + 10 - 1, runner="graph", cond=True, split=True, capture_piece=eager_piece)
+    captured = []
+    for _ in range(2):
+        again = generate(m, p, 10, temperature=0, return_logits=True, decoder=dec)
+        assert torch.equal(again.tokens, fresh.tokens) and torch.equal(again.logits, fresh.logits)
+        assert again.step == "graph-split" and again.processed_shares == fresh.processed_shares
+        captured.append(dec._pieces)
+    assert captured[0] is captured[1] and len(captured[0]) == 3  # captured once, replayed by both generations
+
+
 def test_one_compiled_graph_per_part_serves_every_layer():
     """"compile-cond" compiles four parts (route, processed, skipped, dense), not one graph per layer:
     a model twice as deep compiles no more graphs (and stays far from Dynamo's recompile limit), and
