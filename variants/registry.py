@@ -52,10 +52,7 @@ class VariantSpec:
             if ret is not None:
                 _SCOPES[self.name] = ret.scope
             else:
-                import torch
-
-                with torch.random.fork_rng(devices=[]):
-                    _SCOPES[self.name] = self.build(8).scope
+                _SCOPES[self.name] = _probe_router(self).scope
         return _SCOPES[self.name]
 
     def make_config(self, options: Mapping[str, Any] | None = None) -> VariantConfig:
@@ -208,10 +205,7 @@ def _router_kind(spec: VariantSpec) -> tuple[str, bool, bool]:
     if spec.name not in _ROUTER_KINDS:
         ret = _router_class(spec.builder)
         if ret is None:
-            import torch
-
-            with torch.random.fork_rng(devices=[]):
-                ret = type(spec.build(8))
+            ret = type(_probe_router(spec))
         _ROUTER_KINDS[spec.name] = (spec.scope, bool(ret.variable_count), bool(ret.soft_gate))
     return _ROUTER_KINDS[spec.name]
 
@@ -293,21 +287,24 @@ def static_decode_refusal(name: str) -> str:
     spec = get_variant(name)
     ret = _router_class(spec.builder)
     if ret is None:
-        import torch
-
-        with torch.random.fork_rng(devices=[]):
-            return spec.build(8).static_decode_refusal
+        return _probe_router(spec).static_decode_refusal
     return ret.static_decode_refusal
 
 
 def training_host_read(name: str) -> str:
     """Why variant ``name``'s training forward reads the device on the host (``Router.training_host_read``:
     not sync-free, though it compiles to one graph), or "" when it does not; read from one probe router with
-    the variant's default options, built under a forked RNG."""
+    the variant's default options (``_probe_router``)."""
+    return _probe_router(get_variant(name)).training_host_read
+
+
+def _probe_router(spec: VariantSpec) -> Router:
+    """One router of ``spec`` with its default options, to read what only an instance says: built under a forked
+    RNG, so that probing never shifts a model's initialisation."""
     import torch
 
     with torch.random.fork_rng(devices=[]):
-        return get_variant(name).build(8).training_host_read
+        return spec.build(8)
 
 
 def build_router(name: str, d_model: int, options: Mapping[str, Any] | None = None) -> Router:

@@ -248,17 +248,27 @@ def capture_cuda_graph(step: Callable[[Tensor], Tensor], idx: Tensor, warmup: in
     on a side stream (as ``torch.cuda.graphs`` asks: lazy cuBLAS and SDPA set-up happen outside the
     capture), each phase inside its context (``warming()``, ``capturing()``). Replay after copying the
     next input into ``idx``; the output tensor is overwritten by each replay."""
-    device = idx.device
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side), warming():
-        for _ in range(warmup):
-            step(idx)
-    torch.cuda.current_stream(device).wait_stream(side)
+    with warming():
+        warm_up(lambda: step(idx), idx.device, warmup)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), capturing():
         out = step(idx)
     return graph, out
+
+
+def warm_up(run: Callable[[], None], device: torch.device, times: int = GRAPH_WARMUP) -> None:
+    """``run()`` ``times`` before a capture, on CUDA on a side stream (as ``torch.cuda.graphs`` asks: lazy cuBLAS
+    and SDPA set-up happen outside the capture), the current stream waiting for it after."""
+    if device.type != "cuda":
+        for _ in range(times):
+            run()
+        return
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
 
 
 def cuda_graph_piece(piece: Callable[[], None]) -> Callable[[], None]:
@@ -390,10 +400,10 @@ class _Carry(NamedTuple):
 @dataclass
 class _Piece:
     """One CUDA graph of a split step (``StaticDecoder._capture_pieces``) and, unless it is the last, the
-    branch that follows it: the predicate's name in the pieces' shared box, and the graphs of its two sides."""
+    branch that follows it: its index, and the graphs of its two sides."""
 
     replay: Callable[[], None]
-    pred: tuple | None = None  # the box's key of the branch's predicate, a 0-dim bool tensor
+    branch: int | None = None  # the branch's index (its predicate: the box's ("pred", branch), 0-dim bool)
     processed: Callable[[], None] | None = None
     skipped: Callable[[], None] | None = None
 
@@ -702,8 +712,8 @@ class StaticDecoder(RoutingTally):
         self._graph_idx.copy_(idx)
         for piece in self._pieces:
             piece.replay()
-            if piece.pred is not None:
-                (piece.processed if self._box[piece.pred].item() else piece.skipped)()
+            if piece.branch is not None:
+                (piece.processed if self._box["pred", piece.branch].item() else piece.skipped)()
         return self._box["logits"].clone()  # the next replay overwrites it
 
     @torch.no_grad()
@@ -718,19 +728,14 @@ class StaticDecoder(RoutingTally):
         self._graph_idx = torch.zeros(self.batch, 1, dtype=torch.long, device=device)
         self._box.clear()
         pieces, sides = self._piece_functions(self._graph_idx, self._one_token_parts())
+        def every_piece_and_side() -> None:
+            for k, piece in enumerate(pieces):
+                piece()
+                if k < len(sides):
+                    sides[k][0](), sides[k][1]()
+
         with self._scratch(), _uncached_autocast(device):
-            cuda = device.type == "cuda"
-            side = torch.cuda.Stream(device) if cuda else None
-            if cuda:
-                side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side) if cuda else nullcontext():
-                for _ in range(GRAPH_WARMUP):
-                    for k, piece in enumerate(pieces):
-                        piece()
-                        if k < len(sides):
-                            sides[k][0](), sides[k][1]()
-            if cuda:
-                torch.cuda.current_stream(device).wait_stream(side)
+            warm_up(every_piece_and_side, device)
             self._pieces = []
             for k, piece in enumerate(pieces):
                 replay = self.capture_piece(piece)
@@ -738,7 +743,7 @@ class StaticDecoder(RoutingTally):
                     self._pieces.append(_Piece(replay))
                 else:
                     processed, skipped = (self.capture_piece(f) for f in sides[k])
-                    self._pieces.append(_Piece(replay, ("pred", k), processed, skipped))
+                    self._pieces.append(_Piece(replay, k, processed, skipped))
 
     def _piece_functions(self, idx: Tensor, parts: StepParts) -> tuple[list[Callable], list[tuple[Callable, Callable]]]:
         """(pieces, per branch its (processed, skipped) sides) of the one-token step on ``idx``, as functions
