@@ -182,7 +182,8 @@ clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks
 
 # The static decode step on a lent GPU (issue 38): first the CUDA-only exactness tests of tests/test_static_decode.py
-# (the CUDA graph, its conditional nodes and its split pieces against the eager step; their log → decode-cuda-tests.txt,
+# (the CUDA graph, its conditional nodes and its split pieces against the eager step) and of tests/test_cuda_graphs.py
+# (the capture mechanics; their log → decode-cuda-tests.txt,
 # a failure does not stop the bench), then dense and sigmoid fixed:1,1 C = 0.125 at batch 1, 8 and 64, the old decoder
 # against the static step (eager, CUDA graph, compiled; masked, under torch.cond, and split at its branches), one
 # process → $(or $(OUT),reports/bench)/decode-static-<gpu>.md and .json (modbench.bench.gpu_decode; --dry-run is its
@@ -191,7 +192,7 @@ clean:
 .PHONY: gpu-decode-bench
 gpu-decode-bench: gpu-pkg
 	mkdir -p $(or $(OUT),reports/bench)
-	-$(GPU_RUN) -m pytest -q -p no:cacheprovider tests/test_static_decode.py -k cuda \
+	-$(GPU_RUN) -m pytest -q -p no:cacheprovider tests/test_static_decode.py tests/test_cuda_graphs.py -k cuda \
 	  > $(or $(OUT),reports/bench)/decode-cuda-tests.txt 2>&1; tail -n 3 $(or $(OUT),reports/bench)/decode-cuda-tests.txt
 	$(GPU_RUN) -m modbench.bench.gpu_decode --out $(or $(OUT),reports/bench) $(if $(STEPS),--steps $(STEPS))
 

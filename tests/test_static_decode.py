@@ -5,8 +5,6 @@ Swept over every registered variant and every "+aux" decode rule (as tests/test_
 - exactness: KV-cached generation with the static step equals the causal full pass (float32, CPU,
   atol 1e-5), at batch 1 and at a batch whose sequences skip different tokens, and agrees with the
   dynamic decoder (same tokens, shares and KV bytes);
-- a skipped token writes no K/V: its cache slot stays untouched (zero) and invalid, and the valid
-  slots are exactly the tokens the causal pass processed;
 - the "-cond" steps (``StaticDecoder(cond=True)``: a routed layer no sequence routes to runs its skip
   path alone, ``torch.cond``) give the masked step's logits and cache bit for bit, eager and compiled
   (one fullgraph graph whose ``cond`` branches hold no host-syncing op), and such a layer runs none of
@@ -20,15 +18,14 @@ Swept over every registered variant and every "+aux" decode rule (as tests/test_
   cores for the sweep); the compiled step's logits must still equal the causal pass. A router that
   reads the device in its rule is shown to fail the same check.
 
-Recursive KV sharing (``StaticSharedCache``), the dense mode, chunked feeding, reuse of one decoder,
-the fallback of a router that refuses the static step, and (on CUDA only) the CUDA-graph runner.
-The routed training forward's fullgraph compile is tests/bench/test_compile.py's.
+The dense mode, chunked feeding, reuse of one decoder, the fallback of a router that refuses the static
+step, and (on CUDA only) the CUDA-graph runner. What the step leaves in its caches (a skipped token's
+slot, recursive KV sharing) is tests/test_static_cache.py's; the capture mechanics are
+tests/test_cuda_graphs.py's; the routed training forward's fullgraph compile is tests/bench/test_compile.py's.
 """
 
 from __future__ import annotations
 
-import sys
-import types
 from dataclasses import asdict
 
 import pytest
@@ -39,8 +36,8 @@ from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.errors import ModbenchError
 from modbench.model.decode import STEPS, Decoder, generate, resolve_step, sample
 from modbench.model.gpt import GPT, RoutedBlock
-from modbench.model.static_decode import (StaticDecoder, StaticLayerCache, StaticSharedCache,
-                                          _if_else_node, branch_capture_missing, eager_piece, static_refusal)
+from modbench.model.cuda_graphs import branch_capture_missing, eager_piece
+from modbench.model.static_decode import StaticDecoder, static_refusal
 from modbench.run.causal_eval import calibrate_causal_rules
 
 ALL = variants.list_variants() + variants.decode_aliases()
@@ -107,31 +104,6 @@ def test_static_generation_equals_the_causal_forward_and_the_dynamic_decoder(nam
         assert 0.0 < out.skipped_fraction < 1.0 or batch == 1  # (one greedy sequence may repeat a skipped byte)
     else:
         assert out.skipped_fraction == 0.0 and out.processed_shares == []
-
-
-@pytest.mark.parametrize("name", [v for v in ROUTED if v in SYNC_FREE])
-def test_skipped_tokens_write_no_kv(name):
-    """At a routed layer of scope "block" or "attention" the valid slots are exactly the tokens the causal
-    pass processed, and every other slot is untouched (still the fresh cache's zeros); scope "mlp" routes
-    the MLP alone, so its attention caches every token."""
-    m = model(name)
-    idx = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(2))
-    dec = StaticDecoder(m, 3, 24)
-    with torch.no_grad():
-        dec(idx[:, :6])
-        for t in range(6, 20):
-            dec(idx[:, t : t + 1])
-    routed = [c for layer, c in zip(m.layers, dec.caches) if isinstance(layer, RoutedBlock)]
-    assert routed and all(isinstance(c, StaticLayerCache) for c in routed)
-    for cache, decide in zip(routed, decisions(m, idx)):
-        expected = torch.ones_like(decide) if m.routers[0].scope == "mlp" else decide
-        assert torch.equal(cache.valid[:, :20], expected)
-        assert not cache.valid[:, 20:].any()
-        invalid = ~cache.valid
-        assert (cache.k.transpose(1, 2)[invalid] == 0).all() and (cache.v.transpose(1, 2)[invalid] == 0).all()
-        assert (cache.k.transpose(1, 2)[cache.valid] != 0).any(-1).all()  # every processed token wrote a key
-    if m.routers[0].scope != "mlp":
-        assert 0 < sum(int(c.valid.sum()) for c in routed) < 3 * 20 * len(routed)  # some skipped, some not
 
 
 # --- the "-cond" steps: skip a layer no sequence routes to ---------------------------------------------
@@ -307,22 +279,6 @@ def test_dense_mode_and_chunked_feeding(name):
         got = torch.cat([causal(idx[:, :4]), causal(idx[:, 4:12]), *[causal(idx[:, i : i + 1]) for i in range(12, 20)]], 1)
         torch.testing.assert_close(got, m(idx, routing_mode="causal").logits, atol=1e-5, rtol=1e-5)
     assert dense.skipped_fraction == 0.0 and 0.0 < causal.skipped_fraction < 1.0
-
-
-@pytest.mark.parametrize("name", ["dense", "sigmoid", "mor", "mor_token_choice"])
-@pytest.mark.parametrize("share", [True, False])
-def test_recursive_models_with_and_without_kv_sharing(name, share):
-    """Middle-Cycle N_R = 3: later applications read step 0's static cache (``StaticSharedCache``)
-    with sharing, keep their own without; both decode as the causal pass."""
-    cfg = ModelConfig(depth=5, n_embd=32, head_dim=8, max_seq_len=T, recursion="middle_cycle", recursions=3,
-                      kv_sharing=share)
-    m = model(name, cfg, pattern="fixed:1,1", capacity=0.5)
-    out = generate(m, prompt(3, 5), 12, temperature=0, return_logits=True, step="static")
-    torch.testing.assert_close(out.logits, m(out.tokens[:, :-1], routing_mode="causal").logits, atol=1e-5, rtol=1e-5)
-    dynamic = generate(m, prompt(3, 5), 12, temperature=0, step="dynamic")
-    assert out.kv_bytes_per_token == dynamic.kv_bytes_per_token
-    dec = StaticDecoder(m, 1, 4)
-    assert any(isinstance(c, StaticSharedCache) for c in dec.caches) == share
 
 
 def test_one_decoder_serves_many_generations():
@@ -558,21 +514,3 @@ def test_a_captured_cuda_decode_step_and_its_sampling_never_sync(step):
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert feed.shape == (4, 1) and dec.fed == prompt(4).shape[1] + 5
-
-
-def test_a_torch_without_cuda_graph_conditional_nodes_is_named_before_any_capture(monkeypatch):
-    """torch 2.11 (the lent GPU machine's) has no ``cudagraph_conditional_nodes`` and no
-    ``CUDAGraph.begin_capture_to_if_node``: "graph-cond" and "compile-cond" cannot run there, and the
-    decoder says so with the torch version and the steps that can, before it captures or compiles anything
-    (make gpu-decode-bench marks those cells "n/a" with the same words)."""
-    monkeypatch.setitem(sys.modules, "torch._higher_order_ops.cudagraph_conditional_nodes",
-                        types.ModuleType("cudagraph_conditional_nodes"))  # (as torch 2.13 has it)
-    monkeypatch.setattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node", lambda *a: None, raising=False)
-    assert branch_capture_missing() == ""  # the module, and a CUDAGraph that has the method
-    monkeypatch.delattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
-    assert "cannot capture to a CUDA graph conditional node" in branch_capture_missing()
-    monkeypatch.setitem(sys.modules, "torch._higher_order_ops.cudagraph_conditional_nodes", None)  # import fails
-    why = branch_capture_missing()
-    assert why == f"torch {torch.__version__} has no CUDA graph conditional nodes (no if_else_node)"
-    with pytest.raises(ModbenchError, match=r"no CUDA graph conditional nodes.*expected decode step 'graph' or 'compile'"):
-        _if_else_node()

@@ -24,7 +24,7 @@ one warm-up generation, with each decoder of ``modbench.model.decode.generate``:
   step's parts with Inductor and captures them the same way on CUDA (on a CPU it branches on the
   host); "static-cond" branches on the host (a sync per routed layer on CUDA). For dense they equal
   their plain step. On a torch without CUDA graph conditional nodes (torch 2.11, the lent GPU's:
-  ``static_decode.branch_capture_missing``) the "graph-cond" and "compile-cond" cells say so as "n/a"
+  ``cuda_graphs.branch_capture_missing``) the "graph-cond" and "compile-cond" cells say so as "n/a"
   at once, before any capture or compile;
 - ``graph-split``, ``compile-split``: those branches without conditional nodes, so on any torch: the
   step (eager or compiled parts) captured as CUDA graphs split at each routed layer's branch, the host
@@ -56,7 +56,7 @@ read is free (make cpu-decode-static → reports/bench/decode-static-cpu.md).
 
 ``--dry-run``: the same code path on the CPU with a tiny model (d 64, depth 4, prompt 8 + 8, batch 1
 and 2, fp32), the "graph" and "graph-cond" steps recorded as not available (they need CUDA), the "-split"
-steps' pieces run eagerly instead of captured (``static_decode.eager_piece``) and the "compile" steps traced
+steps' pieces run eagerly instead of captured (``cuda_graphs.eager_piece``) and the "compile" steps traced
 by Dynamo's "eager" backend (fullgraph, no Inductor C++ compile), one thread: tests/bench/test_gpu_decode.py
 runs it, so the command cannot rot between GPU sessions. Needs only torch (no MLflow, Optuna or network).
 """
@@ -81,7 +81,8 @@ from modbench.bench.reference_decoder import ReferenceDecoder
 from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.model.decode import CUDA_ONLY_STEPS, STEPS, generate
 from modbench.model.gpt import GPT
-from modbench.model.static_decode import BRANCH_CAPTURE_STEPS, StaticDecoder, branch_capture_missing, eager_piece
+from modbench.model.cuda_graphs import branch_capture_missing, eager_piece
+from modbench.model.static_decode import BRANCH_CAPTURE_STEPS, StaticDecoder
 from modbench.track.provenance import git_sha
 
 CAPACITY = 0.125

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from modbench.errors import ModbenchError, accepted
 from modbench.model.gpt import GPT, MLP, DenseLayer, apply_rope
-from modbench.model.static_decode import COMPILE_WARMUP, capture_cuda_graph
+from modbench.model.cuda_graphs import COMPILE_WARMUP, capture_cuda_graph
 
 RUNNERS = ("eager", "graph", "compile")
 

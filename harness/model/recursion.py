@@ -28,7 +28,7 @@ depth in one line instead.
 
 from __future__ import annotations
 
-from modbench.config.model import RECURSION_MODES, RECURSIONS, unshared_layers  # noqa: F401 (re-exported)
+from modbench.config.model import unshared_layers
 
 
 def block_depth(layers: int, mode: str, recursions: int) -> int:

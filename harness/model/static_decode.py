@@ -46,14 +46,14 @@ them is taken
   free on a CPU (a sync each on CUDA). That is what an eager ``torch.cond`` does after its Dynamo
   trace and guard check (about 0.5 ms a call on a CPU), so the step branches in Python;
 - on the host between CUDA graphs ("graph-split", "compile-split": ``StepSpec.split``), for a torch
-  without conditional nodes (2.11, the lent GPU's: ``branch_capture_missing``): the step captured in
-  pieces split at each branching layer, piece k from the layer after branch k − 1 to branch k's
-  decision, and each branch's two sides captured apart, both writing the layer's output into one
+  without conditional nodes (2.11, the lent GPU's: ``cuda_graphs.branch_capture_missing``): the step
+  captured in pieces split at each branching layer, piece k from the layer after branch k − 1 to branch
+  k's decision, and each branch's two sides captured apart, both writing the layer's output into one
   buffer that piece k + 1 reads (``_capture_pieces``). A replay runs a piece, reads the predicate (a
   sync per routed layer), and replays the side it picks, so a skipped layer launches none of its
-  block's kernels; the pieces are the same functions whatever runs them, and ``eager_piece`` runs them
-  without CUDA (the CPU tests, the decode bench's dry run). vLLM's piecewise CUDA graphs split a model
-  at its attention the same way, leaving that part to the host.
+  block's kernels; the pieces are the same functions whatever runs them, and ``cuda_graphs.eager_piece``
+  runs them without CUDA (the CPU tests, the decode bench's dry run). vLLM's piecewise CUDA graphs split
+  a model at its attention the same way, leaving that part to the host.
 "compile-cond" compiles each part once (``compiled_parts``: Inductor's kernels, one graph per part
 serving every layer; Inductor's default mode, whose code a capture can hold). Why not compile the
 whole step with a ``torch.cond``: Inductor lowers it to a host ``if pred.item()`` and will not
@@ -63,16 +63,9 @@ which is what shows that nothing in it needs the host. A layer whose attention e
 the next router (``amod``: a module attribute set, which a branch or a compiled part may not hold)
 runs its parts eagerly, and masked if it is routed.
 
-The cache (``StaticLayerCache``): per layer ``k``/``v`` of shape (B, H, max_len, hd), slot t holding
-the token at position t (keys rotated by RoPE at their position), and ``valid`` (B, max_len) bool.
-A token the layer processes writes its K/V at its slot and marks it valid; a skipped token writes
-*no* K/V: its slot keeps what it held (zeros in a fresh cache; ``torch.where`` on the decision picks
-the old contents) and stays invalid, so no later query ever sees it as a key — the same semantics as
-the dynamic decoder's compacted cache (which skips the write) and the causal pass's mask
-(``causal_routing_mask``). A new query sees the valid slots up to its own position, and its own slot
-always: for a processed token that is its key; a skipped token's query then sees finite numbers
-whose output the mix discards. Attention reads all max_len slots every step (a static shape), where
-the dynamic cache reads only the slots written so far.
+The cache, slot t for position t with a ``valid`` mask that a skipped token leaves unset:
+``modbench.model.static_cache``. The capture mechanics (side-stream warm-up, captures, conditional nodes):
+``modbench.model.cuda_graphs``.
 
 Runners (``StaticDecoder(runner=...)``; prompt chunks of more than one token always run eagerly):
 "eager" calls the step; "graph" captures the one-token step once in a ``torch.cuda.CUDAGraph`` (a
@@ -92,18 +85,19 @@ variant refuses.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from modbench.errors import ModbenchError, accepted
-from modbench.model.gpt import GPT, Attention, AttentionSummary, RoutedBlock, attention_summary
+from modbench.model.cuda_graphs import (COMPILE_WARMUP, capture_cuda_graph, cuda_graph_piece,
+                                        require_if_else_node, uncached_autocast, warm_up)
+from modbench.model.gpt import GPT, RoutedBlock
+from modbench.model.static_cache import StaticLayerCache, StaticSharedCache, slots_of
 
 RUNNERS = ("eager", "graph", "compile")
 
@@ -133,188 +127,11 @@ STATIC_STEPS = {"static": StepSpec("eager"), "graph": StepSpec("graph"), "compil
                 "compile-cond": StepSpec("compile", cond=True),
                 "graph-split": StepSpec("graph", cond=True, split=True),
                 "compile-split": StepSpec("compile", cond=True, split=True)}
-# The steps that capture each routed layer's branch as CUDA graph conditional nodes on CUDA (``branch_capture_missing``):
-# every "-cond" step but the one that branches on the host
+# The steps that capture each routed layer's branch as CUDA graph conditional nodes on CUDA
+# (``cuda_graphs.branch_capture_missing``): every "-cond" step but the one that branches on the host
 BRANCH_CAPTURE_STEPS = tuple(name for name, spec in STATIC_STEPS.items()
                              if spec.cond and spec.runner != "eager" and not spec.split)
 MODES = ("causal", "dense")  # as ``modbench.model.decode.DECODE_MODES`` (top-k needs the future)
-GRAPH_WARMUP = 2  # eager steps on a side stream before a CUDA graph capture (lazy cuBLAS/SDPA setup)
-COMPILE_WARMUP = 3  # compiled steps before timing: compile, then Inductor's CUDA graph warm-up and recording
-
-
-# --- the static KV cache -----------------------------------------------------------------------
-def _slots(pos: Tensor, n: int) -> Tensor:
-    """(n,) the positions (= cache slots) of the n new tokens, from the device position."""
-    return pos + torch.arange(n, device=pos.device)
-
-
-def _visible(valid: Tensor, slots: Tensor) -> Tensor:
-    """(B, n, L) bool: slot s visible to new token j iff it is valid and s <= slot_j, or s is j's own slot."""
-    s = torch.arange(valid.shape[-1], device=valid.device)
-    before = s <= slots.unsqueeze(-1)  # (n, L)
-    own = s == slots.unsqueeze(-1)
-    return (valid.unsqueeze(1) & before) | own
-
-
-class StaticLayerCache:
-    """One layer's keys and values for a batch, slot t = position t, with a ``valid`` mask (module doc).
-
-    ``pos`` is the decoder's position tensor (shared by every layer): the slot of the first new token.
-    """
-
-    def __init__(self, batch: int, heads: int, max_len: int, head_dim: int, device, dtype, pos: Tensor) -> None:
-        self.k = torch.zeros(batch, heads, max_len, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
-        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
-        self.pos = pos
-
-    @property
-    def lengths(self) -> Tensor:
-        """(B,) slots holding a processed token: what ``kv_bytes`` counts (as ``LayerCache.lengths``)."""
-        return self.valid.sum(-1)
-
-    def tensors(self) -> tuple[Tensor, ...]:
-        """The state a step mutates in place."""
-        return self.k, self.v, self.valid
-
-    def attend(self, attn: Attention, h: Tensor, cos: Tensor, sin: Tensor, keep: Tensor | None,
-               rows: Tensor | None = None, bound: int | None = None) -> Tensor:
-        """Attention output for new tokens ``h`` (B, n, d) at slots pos … pos + n − 1, their K/V
-        written where ``keep`` ((B, n) bool; None: every token). ``rows`` and ``bound`` belong to the
-        dynamic cache's subsets; a static step always holds every row."""
-        if rows is not None:
-            raise ValueError("a static cache step holds every sequence of the batch (rows=None)")
-        q, k, v = attn.project(h, cos, sin)
-        slots = _slots(self.pos, h.shape[1])
-        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
-        if keep is None:
-            self.k.index_copy_(2, slots, k)
-            self.v.index_copy_(2, slots, v)
-            self.valid.index_fill_(1, slots, True)
-        else:  # a skipped token writes nothing: its slot keeps its old contents and stays invalid
-            write = keep[:, None, :, None]
-            self.k.index_copy_(2, slots, torch.where(write, k, self.k.index_select(2, slots)))
-            self.v.index_copy_(2, slots, torch.where(write, v, self.v.index_select(2, slots)))
-            self.valid.index_copy_(1, slots, keep)
-        mask = _visible(self.valid, slots).unsqueeze(1)  # (B, 1, n, L)
-        y = F.scaled_dot_product_attention(q, self.k.to(q.dtype), self.v.to(q.dtype), attn_mask=mask)
-        if attn.expose:  # the next router reads this layer's attention (amod): each new token's self-weight
-            own = slots.expand(h.shape[0], -1)
-            weight = attention_summary(q, self.k, mask, own=own).self_weight
-            attn.exposed = AttentionSummary(weight if keep is None else weight * keep)
-        return attn.output(y)
-
-
-class StaticSharedCache:
-    """Recursive KV sharing (``ModelConfig.kv_sharing``, Mixture-of-Recursions arXiv:2507.10524 §2.3) on
-    the static cache: a later recursion step's queries attend to the valid slots of the step-0 cache of
-    the same layer up to their own position (step 0 ran first in the same pass), computing no K/V; a
-    query with no such slot gets a zero attention output — as ``modbench.model.decode.SharedLayerCache``."""
-
-    def __init__(self, source: StaticLayerCache) -> None:
-        self.source = source
-
-    @property
-    def lengths(self) -> Tensor:
-        return torch.zeros_like(self.source.valid[:, 0], dtype=torch.long)  # stores nothing
-
-    def tensors(self) -> tuple[Tensor, ...]:
-        return ()
-
-    def attend(self, attn: Attention, h: Tensor, cos: Tensor, sin: Tensor, keep: Tensor | None,
-               rows: Tensor | None = None, bound: int | None = None) -> Tensor:
-        src = self.source
-        q = attn.query(h, cos, sin)
-        slots = _slots(src.pos, h.shape[1])
-        s = torch.arange(src.valid.shape[-1], device=h.device)
-        vis = src.valid.unsqueeze(1) & (s <= slots.unsqueeze(-1))  # (B, n, L)
-        has = vis.any(-1, keepdim=True)  # a key to attend to (a device flag, no branch)
-        y = F.scaled_dot_product_attention(q, src.k.to(q.dtype), src.v.to(q.dtype), attn_mask=(vis | ~has).unsqueeze(1))
-        return attn.output(y * has.unsqueeze(1).to(y.dtype))
-
-
-def _uncached_autocast(device: torch.device):
-    """The autocast in force, without its cast cache, for a CUDA graph capture: a cached cast made
-    outside the capture would be read by the graph as a plain tensor (and freed when the caller's
-    autocast exits), so every cast must happen inside it (as torch.cuda.graph's notes ask)."""
-    if not torch.is_autocast_enabled(device.type):
-        return nullcontext()
-    return torch.autocast(device.type, dtype=torch.get_autocast_dtype(device.type), cache_enabled=False)
-
-
-def capture_cuda_graph(step: Callable[[Tensor], Tensor], idx: Tensor, warmup: int = GRAPH_WARMUP, *,
-                       warming: Callable = nullcontext, capturing: Callable = nullcontext) -> tuple:
-    """(graph, output): ``step(idx)`` captured in a ``torch.cuda.CUDAGraph``, after ``warmup`` eager calls
-    on a side stream (as ``torch.cuda.graphs`` asks: lazy cuBLAS and SDPA set-up happen outside the
-    capture), each phase inside its context (``warming()``, ``capturing()``). Replay after copying the
-    next input into ``idx``; the output tensor is overwritten by each replay."""
-    with warming():
-        warm_up(lambda: step(idx), idx.device, warmup)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), capturing():
-        out = step(idx)
-    return graph, out
-
-
-def warm_up(run: Callable[[], None], device: torch.device, times: int = GRAPH_WARMUP) -> None:
-    """``run()`` ``times`` before a capture, on CUDA on a side stream (as ``torch.cuda.graphs`` asks: lazy cuBLAS
-    and SDPA set-up happen outside the capture), the current stream waiting for it after."""
-    if device.type != "cuda":
-        for _ in range(times):
-            run()
-        return
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(times):
-            run()
-    torch.cuda.current_stream(device).wait_stream(side)
-
-
-def cuda_graph_piece(piece: Callable[[], None]) -> Callable[[], None]:
-    """A split step's piece (``StepSpec.split``) captured in a CUDA graph of its own (its own memory pool, so
-    that whatever it leaves alive stays put whichever branch replays later); returns its replay. The
-    piece's warm-up ran before (``StaticDecoder._capture_pieces``)."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        piece()
-    return graph.replay
-
-
-def eager_piece(piece: Callable[[], None]) -> Callable[[], None]:
-    """A split step's piece "captured" without CUDA: run now (as a capture records it) and again at each
-    replay. It rehearses everything of the split steps but the CUDA graphs on a CPU: tests, and the decode
-    bench's dry run (``modbench.bench.gpu_decode``)."""
-    piece()
-    return piece
-
-
-def branch_capture_missing() -> str:
-    """Why this torch cannot capture a branch in a CUDA graph (``BRANCH_CAPTURE_STEPS`` on CUDA), or "" when it
-    can. That needs torch's ``if_else_node`` and the ``CUDAGraph`` methods it calls
-    (``begin_capture_to_if_node``); torch 2.11, the lent GPU machine's, has neither (read on 2026-11-27 in
-    its CUDA build: ``torch._higher_order_ops`` has no ``cudagraph_conditional_nodes``), so there the
-    "-cond" steps can branch on the host only ("static-cond")."""
-    try:
-        importlib.import_module("torch._higher_order_ops.cudagraph_conditional_nodes")
-    except ImportError:
-        return f"torch {torch.__version__} has no CUDA graph conditional nodes (no if_else_node)"
-    if not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
-        return f"torch {torch.__version__} cannot capture to a CUDA graph conditional node (a build without CUDA?)"
-    return ""
-
-
-def _if_else_node() -> Callable:
-    """torch's capture of a branch as CUDA graph conditional nodes (``if_else_node(pred, true_fn,
-    false_fn, operands)``, what Inductor's CUDA-graph trees run a ``torch.cond`` with); a torch
-    without it cannot run the "-cond" steps in a CUDA graph."""
-    why = branch_capture_missing()
-    if why:
-        raise ModbenchError(f"{why}: cannot capture a branch in a CUDA graph; expected decode step 'graph' or "
-                            "'compile' (or 'static-cond', which branches on the host)")
-    from torch._higher_order_ops.cudagraph_conditional_nodes import if_else_node
-
-    return if_else_node
 
 
 # --- which models can use it ------------------------------------------------------------------
@@ -444,8 +261,8 @@ class StaticDecoder(RoutingTally):
     the host choosing each branch's graph (``StepSpec``, module doc). ``compile_backend`` overrides
     torch.compile's backend for the "compile" runner (tests use "eager": Dynamo's tracing, no code
     generation); ``capture_piece`` overrides how a ``split`` step captures a piece (default
-    ``cuda_graph_piece``; ``eager_piece`` rehearses it on a CPU). ``reset`` empties the caches so that one
-    decoder (and its captured graphs or compiled step) serves many generations.
+    ``cuda_graphs.cuda_graph_piece``; ``cuda_graphs.eager_piece`` rehearses it on a CPU). ``reset`` empties
+    the caches so that one decoder (and its captured graphs or compiled step) serves many generations.
     """
 
     def __init__(self, model: GPT, batch: int, max_len: int, *, mode: str = "causal", runner: str = "eager",
@@ -475,7 +292,7 @@ class StaticDecoder(RoutingTally):
         self.routed = mode == "causal"
         self.cond, self.split = cond, split
         if cond and not split and (runner == "graph" or (runner == "compile" and p.device.type == "cuda")):
-            _if_else_node()  # (fails now, with the reason, where this torch cannot capture a branch)
+            require_if_else_node()  # (fails now, with the reason, where this torch cannot capture a branch)
         self.compile_backend = compile_backend
         self.capture_piece = capture_piece or cuda_graph_piece
         self.pos = torch.zeros((), dtype=torch.long, device=p.device)  # the next token's position
@@ -571,7 +388,7 @@ class StaticDecoder(RoutingTally):
     def _begin(self, idx: Tensor) -> _Carry:
         """The embedded tokens and their rotations (from the device position)."""
         m = self.model
-        slots = _slots(self.pos, idx.shape[1])
+        slots = slots_of(self.pos, idx.shape[1])
         return _Carry(m.embed(idx), m.rope_cos.index_select(0, slots), m.rope_sin.index_select(0, slots), idx.shape[1])
 
     def _layer(self, carry: _Carry, i: int, parts: StepParts) -> _Carry:
@@ -620,7 +437,7 @@ class StaticDecoder(RoutingTally):
         if torch.compiler.is_compiling():  # the whole step traced: Dynamo keeps both branches
             return torch.cond(pred, processed, skipped, operands)
         if self._branching == "capture":  # a CUDA graph: the GPU reads ``pred`` and runs one branch
-            return _if_else_node()(pred, processed, skipped, operands)
+            return require_if_else_node()(pred, processed, skipped, operands)
         if self._branching == "warm-up":  # both branches before a capture (lazy set-up, compiles), no host read;
             skipped(*operands)  # the masked branch alone is always right (an idle layer writes nothing)
             return processed(*operands)
@@ -694,7 +511,7 @@ class StaticDecoder(RoutingTally):
         device = self.pos.device
         self._graph_idx = torch.zeros(self.batch, 1, dtype=torch.long, device=device)
         parts = self._one_token_parts()
-        with self._scratch(), _uncached_autocast(device):
+        with self._scratch(), uncached_autocast(device):
             self._graph, self._graph_out = capture_cuda_graph(
                 lambda idx: self.step(idx, parts), self._graph_idx,
                 warming=lambda: self._branching_as("warm-up"), capturing=lambda: self._branching_as("capture"))
@@ -734,7 +551,7 @@ class StaticDecoder(RoutingTally):
                 if k < len(sides):
                     sides[k][0](), sides[k][1]()
 
-        with self._scratch(), _uncached_autocast(device):
+        with self._scratch(), uncached_autocast(device):
             warm_up(every_piece_and_side, device)
             self._pieces = []
             for k, piece in enumerate(pieces):
