@@ -199,9 +199,14 @@ gpu-decode-bench: gpu-pkg
 # The routed block's and the model step's bars (issue 38): sigmoid and norm blocks at C = 0.125, B 32, T 2048, d 1024,
 # and the depth-4 alternate GPT's training step, against dense, eager / compiled / CUDA graphs (reduce-overhead),
 # one process → $(or $(OUT),reports/bench)/bars-<gpu>.md and .json (modbench.bench.gpu_bars; tests/bench/test_gpu_bars.py).
-# MODES=eager,cudagraphs (or BARS=block) runs a part.
+# MODES=eager,cudagraphs (or BARS=block) runs a part. First the training side's CUDA-only tests (the routed models'
+# forward and backward without a sync, the mixtures of experts' bf16 grouped GEMMs against their per-slice loop; their
+# log → bars-cuda-tests.txt, a failure does not stop the bars).
 .PHONY: gpu-bars
 gpu-bars: gpu-pkg
+	mkdir -p $(or $(OUT),reports/bench)
+	-$(GPU_RUN) -m pytest -q -p no:cacheprovider tests/test_grouped_mm.py tests/bench/test_compile.py -k cuda \
+	  > $(or $(OUT),reports/bench)/bars-cuda-tests.txt 2>&1; tail -n 3 $(or $(OUT),reports/bench)/bars-cuda-tests.txt
 	$(GPU_RUN) -m modbench.bench.gpu_bars --out $(or $(OUT),reports/bench) $(if $(MODES),--modes $(MODES)) $(if $(BARS),--bars $(BARS))
 
 # Where the dense layer's eager time goes (issue 38 item 3): nanoGPT's block shape with modbench's norm and RoPE

@@ -424,8 +424,9 @@ class Router(nn.Module):
         forward still compiles to one graph (``modbench.model.gpt.compile_settings`` captures the read), but it
         waits for the device once per routed layer, so it is not sync-free and no CUDA graph can hold it."""
         if self.mlp_experts:  # the model's TopOneMoE
-            return ("its top-1 mixture of experts sizes each expert's slice of tokens on the host, one read per "
-                    "routed layer (ragged expert batches without a grouped kernel)")
+            return ("in full precision its top-1 mixture of experts sizes each expert's slice of tokens on the "
+                    "host, one read per routed layer (torch's grouped kernel runs bf16 only); under bf16 "
+                    "autocast, as CUDA trains, it runs grouped GEMMs and reads nothing")
         return ""
 
     def __init__(self, config: VariantConfig) -> None:

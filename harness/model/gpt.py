@@ -32,8 +32,9 @@ Read top to bottom. Notable features:
   read the router's scope, and ``RoutedBlock.mix`` the one place the block's output meets the residual
   stream (as the router's ``Mixing`` says), for the top-k forward, causal mode and decoding.
 - No host-device synchronisation in the forward pass: k is a Python int from static
-  shapes, and nothing calls ``.item()`` but a mixture of experts sizing its slices (``TopOneMoE``, declared
-  by its routers: ``Router.training_host_read``); the model compiles with ``fullgraph=True``.
+  shapes, and nothing calls ``.item()`` but a mixture of experts sizing its slices in full precision
+  (``TopOneMoE``, declared by its routers: ``Router.training_host_read``; in bf16 it runs grouped GEMMs and
+  reads nothing); the model compiles with ``fullgraph=True``.
 - Analytic FLOPs as model methods (``flops_per_token``), documented in ``modbench.model.flops``.
 - Recursive models (``ModelConfig.recursion``, Mixture-of-Recursions arXiv:2507.10524 §2.1): the
   layer positions of the unrolled stack that share a block hold the same ``Block`` module
@@ -57,6 +58,7 @@ from torch import Tensor, nn
 from modbench.variants import Mixing, Router, get_variant
 
 from modbench.model import flops as flop_math
+from modbench.model.grouped_mm import grouped_dtype, grouped_mlp
 from modbench.model.kv_sharing import KVAccess, KVShare, kv_access
 from modbench.model.recursion import recursion_step, sharing_map
 from modbench.config.capacity import CapacitySchedule
@@ -205,13 +207,14 @@ class TopOneMoE(nn.Module):
     reads the same gate, already sent the no-op's tokens around the MLP); the balance loss uses the
     real experts' probabilities renormalised over the real experts.
 
-    Execution in training: tokens sorted by expert, one matmul pair per expert on its slice. The
-    slice sizes are one host read per layer (``Router.training_host_read`` says so): the price of ragged
-    expert batches without a grouped kernel (torch 2.13's ``grouped_mm`` is documented for bf16 on CUDA,
-    and FlopCounterMode counts it as nothing). Under ``torch.compile`` that read is captured as unbacked
-    sizes (``compile_settings``), so the forward stays one graph that serves every split; without it
-    Dynamo broke the graph there and recompiled for each new split until its limit. In eval mode every
-    expert runs on every token (fixed shapes; see ``forward``).
+    Execution in training: tokens sorted by expert, then in bf16 (CUDA training's autocast) two grouped
+    GEMMs whose slice boundaries stay on the device (``modbench.model.grouped_mm``: no host read, static
+    shapes); in full precision, where torch's grouped kernel refuses to run, one matmul pair per expert
+    on its slice, the slice sizes read on the host once per layer (``Router.training_host_read`` says
+    so). Under ``torch.compile`` that read is captured as unbacked sizes (``compile_settings``), so the
+    forward stays one graph that serves every split; without it Dynamo broke the graph there and
+    recompiled for each new split until its limit. In eval mode every expert runs on every token (fixed
+    shapes; see ``forward``).
     """
 
     def __init__(self, d: int, ratio: int, n: int, noop: bool = False) -> None:
@@ -239,12 +242,12 @@ class TopOneMoE(nn.Module):
         order = torch.argsort(expert, stable=True)
         # Counted by comparison, a fixed-size op (bincount's output size depends on the data).
         counts = (expert.unsqueeze(-1) == torch.arange(n, device=expert.device)).sum(0)
-        sizes = counts.tolist()  # the host read
-        for size in sizes:  # what a compiled graph needs to know of these unbacked sizes
-            torch._check(size >= 0)
-        torch._check(sum(sizes) == flat.shape[0])
-        parts = flat.index_select(0, order).split(sizes)
-        y = torch.cat([mlp(part) for mlp, part in zip(self.experts, parts)])
+        ranked = flat.index_select(0, order)
+        dtype = grouped_dtype(flat)
+        if dtype is not None:  # bf16: one grouped GEMM per matrix, bounded by offsets on the device
+            y = grouped_mlp(ranked, counts, [e.fc for e in self.experts], [e.proj for e in self.experts], dtype)
+        else:
+            y = self._per_slice(ranked, counts)
         y = y * weight.index_select(0, order).unsqueeze(-1).to(y.dtype)
         # Back in token order by a gather with the inverse permutation (compiled under deterministic algorithms,
         # Inductor got a scatter here, index_copy_ into an empty_like, wrong: tests/bench/test_compile.py).
@@ -253,6 +256,14 @@ class TopOneMoE(nn.Module):
             real = real / real.sum(-1, keepdim=True)
         self.balance = n * (counts.float() / flat.shape[0] * real.mean(0)).sum()
         return out.view(x.shape)
+
+    def _per_slice(self, ranked: Tensor, counts: Tensor) -> Tensor:
+        """Each expert's MLP on its slice of ``ranked`` (rows sorted by expert), the slices sized on the host."""
+        sizes = counts.tolist()  # the host read
+        for size in sizes:  # what a compiled graph needs to know of these unbacked sizes
+            torch._check(size >= 0)
+        torch._check(sum(sizes) == ranked.shape[0])
+        return torch.cat([mlp(part) for mlp, part in zip(self.experts, ranked.split(sizes))])
 
     def gate_flops(self, d: int) -> tuple[float, float]:
         """(forward, backward) FLOPs per token of the gate (the experts count as one MLP)."""

@@ -1,0 +1,70 @@
+"""The ragged expert batches of a top-1 mixture of MLPs as two grouped GEMMs, with no host read.
+
+Why. ``modbench.model.gpt.TopOneMoE`` sorts its tokens by expert; each expert's MLP then runs on its
+slice. Run as one matmul pair per slice, the slice sizes must be read on the host (one device sync per
+routed layer and step, which no CUDA graph can hold, and unbacked sizes under ``torch.compile``). torch's
+grouped GEMM (``torch.nn.functional.grouped_mm``, the kernel torchtitan's MoE layers use) takes the slice
+boundaries as a device tensor of offsets instead: every expert's tokens in one launch, nothing read on the
+host, the same shapes at every step.
+
+Where it applies (``grouped_dtype``): bfloat16 only. torch 2.11 and 2.13 document the kernel for bf16 on
+CUDA (SM ≥ 80), and their shape checks under ``torch.compile`` (the meta function of ``aten._grouped_mm``)
+refuse any other dtype. So a mixture uses it under bf16 autocast (CUDA training, ``modbench.run.train``)
+or on bf16 inputs, and the per-slice loop with its host read in full precision (CPU training). The CPU has
+a bf16 implementation too, which is what tests compare with the loop and compile.
+
+FLOPs. ``FlopCounterMode`` has no formula for ``aten._grouped_mm`` (torch 2.11, 2.13): it would count the
+experts as nothing. ``grouped_mm_flops`` is that formula, registered once on import with torch's
+``register_flop_formula`` (unless a later torch brings its own): a grouped GEMM costs what one matmul per
+group costs, 2·m·k·n summed over the groups, which is the count ``modbench.model.flops`` gives one MLP per
+token. Its backward runs grouped GEMMs too (the input gradient 2-D × 3-D, the weight gradient 2-D × 2-D with
+the contraction split by the offsets), so the same formula counts it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+GROUPED_DTYPE = torch.bfloat16  # the only dtype the kernel's shape checks accept (module doc)
+
+
+def grouped_dtype(x: Tensor) -> torch.dtype | None:
+    """The dtype to run a mixture's experts in with the grouped kernel, or None: run the per-slice loop.
+    bf16 when ``x`` is bf16 or its device's autocast casts matmuls to bf16 (what ``F.linear`` would run in)."""
+    device = x.device.type
+    autocast = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == GROUPED_DTYPE
+    return GROUPED_DTYPE if autocast or x.dtype == GROUPED_DTYPE else None
+
+
+def grouped_mlp(x: Tensor, counts: Tensor, fc: Sequence[nn.Linear], proj: Sequence[nn.Linear],
+                dtype: torch.dtype = GROUPED_DTYPE) -> Tensor:
+    """Expert e's MLP, ``proj[e](gelu(fc[e](·)))`` (modbench's ``MLP``, no biases), on its slice of ``x``
+    (N, d): rows sorted by expert, ``counts`` (E,) rows each (on the device). Returns (N, d) in ``dtype``.
+
+    The weights are stacked per call (E, out, in) in ``dtype``: the cast F.linear does under autocast,
+    with one stack copy more; their gradients reach each expert's own parameters."""
+    offs = counts.cumsum(0).to(torch.int32)  # where each group ends, on the device
+    fc_w = torch.stack([layer.weight for layer in fc]).to(dtype)  # (E, r·d, d)
+    proj_w = torch.stack([layer.weight for layer in proj]).to(dtype)  # (E, d, r·d)
+    h = F.grouped_mm(x.to(dtype), fc_w.transpose(-2, -1), offs=offs)
+    return F.grouped_mm(F.gelu(h, approximate="tanh"), proj_w.transpose(-2, -1), offs=offs)
+
+
+def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """``FlopCounterMode``'s count of one ``aten._grouped_mm`` call: 2·m·k·n over its groups (module doc).
+    2-D × 2-D (a weight gradient): a's columns, b's rows are the contraction, split by the offsets, each in
+    one group, so 2 · a rows · a columns · b columns. Otherwise every output element contracts a's last
+    dimension once: 2 · numel(out) · k."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * math.prod(out_shape) * a_shape[-1]
+
+
+if torch.ops.aten._grouped_mm not in flop_registry:  # (a torch with its own formula keeps it)
+    register_flop_formula(torch.ops.aten._grouped_mm)(grouped_mm_flops)
