@@ -17,7 +17,7 @@ import modbench.model.gpt as gpt
 from modbench import variants
 from modbench.config.model import ModelConfig, RoutingConfig
 from modbench.model.gpt import GPT, TopOneMoE
-from modbench.model.grouped_mm import grouped_dtype, grouped_mm_flops
+from modbench.model.grouped_mm import ALIGN_ROWS, grouped_dtype, grouped_mlp, grouped_mm_flops, padded_layout, padded_rows
 
 CFG = ModelConfig(depth=2, n_embd=64, head_dim=16, max_seq_len=64)
 B, T = 2, 64
@@ -103,11 +103,20 @@ def test_a_bf16_mixture_gives_the_per_slice_loops_numbers_without_a_host_read(va
 
 
 @pytest.mark.parametrize("variant", MIXTURES)
-def test_flop_counter_counts_a_bf16_mixture_as_the_analytic_count(variant):
+def test_flop_counter_counts_a_bf16_mixture_as_the_analytic_count_plus_its_padding(variant, monkeypatch):
     """Without ``grouped_mm_flops`` registered, FlopCounterMode counted the grouped GEMMs as nothing: a bf16
-    step would spend its FLOP budget on attention and the gate alone."""
+    step would spend its FLOP budget on attention and the gate alone. What it counts beyond the analytic
+    count (which the full-precision step matches) is exactly the padding rows' work: each call's
+    ``padded_rows`` − N rows through both matrices, forward and backward (3 × 2 × 2·d·r·d a row)."""
     m = _model(variant)
     idx = torch.randint(0, CFG.vocab_size, (B, T), generator=torch.Generator().manual_seed(2))
+    calls: list[tuple[int, int]] = []
+
+    def recording(x, counts, *args, **kwargs):
+        calls.append((x.shape[0], counts.shape[0]))
+        return grouped_mlp(x, counts, *args, **kwargs)
+
+    monkeypatch.setattr(gpt, "grouped_mlp", recording)
     counted = {}
     for bf16 in (False, True):
         with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc, \
@@ -115,9 +124,34 @@ def test_flop_counter_counts_a_bf16_mixture_as_the_analytic_count(variant):
             out = m(idx, idx)
             (out.loss + m.weighted_aux_loss(out.aux_losses, 10**6)).backward()
         counted[bf16] = fc.get_total_flops()
-        if bf16:
-            assert any("grouped_mm" in str(op) for op in fc.get_flop_counts()["Global"])
-    assert counted[True] == counted[False] == pytest.approx(B * m.flop_report(T, causal=False).total, rel=1e-9)
+    assert len(calls) == len(_mixtures(m))  # (bf16 only: full precision runs the per-slice loop)
+    analytic = B * m.flop_report(T, causal=False).total
+    assert counted[False] == pytest.approx(analytic, rel=1e-9)
+    d, hidden = CFG.width, CFG.mlp_ratio * CFG.width
+    padding = sum(3 * 2 * 2 * d * hidden * (padded_rows(n, groups) - n) for n, groups in calls)
+    assert padding > 0 and counted[True] == pytest.approx(analytic + padding, rel=1e-9)
+
+
+def test_the_padded_layout_aligns_every_group_and_keeps_each_rows_order():
+    """For splits with empty, aligned and ragged groups: each group starts at a multiple of ``ALIGN_ROWS`` and
+    spans a multiple of it (at least one) that holds its rows, in order and contiguous from its start; the
+    last group ends at ``padded_rows``, and no two rows share a place."""
+    g = torch.Generator().manual_seed(4)
+    splits = [[3, 0, 9, 8, 1], [0, 0, 5], [16], [0, 7], [1, 1, 1, 1]]
+    splits += [torch.randint(0, 30, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(20)]
+    for split in splits:
+        counts = torch.tensor(split)
+        rows = int(counts.sum())
+        place, ends = padded_layout(counts, rows)
+        starts = [0] + ends[:-1].tolist()
+        assert ends[-1] == padded_rows(rows, len(split)) and ends.dtype == torch.int32
+        assert len(set(place.tolist())) == rows
+        first = 0
+        for start, end, n in zip(starts, ends.tolist(), split):
+            assert start % ALIGN_ROWS == 0 and end % ALIGN_ROWS == 0 and end - start >= max(n, 1)
+            assert place[first:first + n].tolist() == list(range(start, start + n)), split
+            first += n
 
 
 @pytest.mark.parametrize("layout", ["2d x 3d", "3d x 3d", "2d x 2d"])

@@ -7,6 +7,13 @@ grouped GEMM (``torch.nn.functional.grouped_mm``, the kernel torchtitan's MoE la
 boundaries as a device tensor of offsets instead: every expert's tokens in one launch, nothing read on the
 host, the same shapes at every step.
 
+Each group's rows are padded to a multiple of 8 (``ALIGN_ROWS``): in the weight gradient (a 2-D × 2-D
+grouped GEMM) a group's rows are the contraction, which CUDA's kernel loads in 16-byte units; a group of
+another size trips a device-side assert there (torchao's MoE training tests met it, and torchtitan pads its
+token groups to 8 for bf16 for that reason). The padded layout has a size fixed by the token and expert
+counts alone (``padded_rows``: the last group takes the slack), so padding reads nothing on the host either;
+the padding rows are zeros, which add nothing to any output or gradient. CPU and CUDA run the same layout.
+
 Where it applies (``grouped_dtype``): bfloat16 only. torch 2.11 and 2.13 document the kernel for bf16 on
 CUDA (SM ≥ 80), and their shape checks under ``torch.compile`` (the meta function of ``aten._grouped_mm``)
 refuse any other dtype. So a mixture uses it under bf16 autocast (CUDA training, ``modbench.run.train``)
@@ -16,9 +23,11 @@ a bf16 implementation too, which is what tests compare with the loop and compile
 FLOPs. ``FlopCounterMode`` has no formula for ``aten._grouped_mm`` (torch 2.11, 2.13): it would count the
 experts as nothing. ``grouped_mm_flops`` is that formula, registered once on import with torch's
 ``register_flop_formula`` (unless a later torch brings its own): a grouped GEMM costs what one matmul per
-group costs, 2·m·k·n summed over the groups, which is the count ``modbench.model.flops`` gives one MLP per
-token. Its backward runs grouped GEMMs too (the input gradient 2-D × 3-D, the weight gradient 2-D × 2-D with
-the contraction split by the offsets), so the same formula counts it.
+group costs, 2·m·k·n summed over the groups. Its backward runs grouped GEMMs too (the input gradient 2-D ×
+3-D, the weight gradient 2-D × 2-D with the contraction split by the offsets), so the same formula counts it.
+What it counts beyond ``modbench.model.flops``' one MLP per token is the padding rows' work, fewer than
+``ALIGN_ROWS`` × (experts + 1) rows a call: executed, and left out of the analytic count that budgets a
+run, as other overheads are (under 4 % of a mixture's MLP at 1,024 routed tokens and 4 experts).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 GROUPED_DTYPE = torch.bfloat16  # the only dtype the kernel's shape checks accept (module doc)
+ALIGN_ROWS = 8  # a group's rows come in multiples of this: 16 bytes of bf16 along the weight gradient's contraction
 
 
 def grouped_dtype(x: Tensor) -> torch.dtype | None:
@@ -42,18 +52,43 @@ def grouped_dtype(x: Tensor) -> torch.dtype | None:
     return GROUPED_DTYPE if autocast or x.dtype == GROUPED_DTYPE else None
 
 
+def padded_rows(rows: int, groups: int) -> int:
+    """Rows of the padded layout of ``rows`` rows in ``groups`` groups: room for each group rounded up to
+    ``ALIGN_ROWS`` (an empty one to ``ALIGN_ROWS``), whatever the split; a multiple of ``ALIGN_ROWS``."""
+    return -(-rows // ALIGN_ROWS) * ALIGN_ROWS + groups * ALIGN_ROWS
+
+
+def padded_layout(counts: Tensor, rows: int) -> tuple[Tensor, Tensor]:
+    """(each row's place in the padded layout (rows,), each group's end there (groups,) int32) for ``rows``
+    rows sorted by group, ``counts`` per group: group g starts at a multiple of ``ALIGN_ROWS`` and spans its
+    count rounded up to a multiple of it (at least one); the last group ends at ``padded_rows``, taking the
+    slack. All on the device, of shapes fixed by ``rows`` and the number of groups."""
+    spans = torch.clamp_min((counts + ALIGN_ROWS - 1) // ALIGN_ROWS, 1) * ALIGN_ROWS
+    ends = torch.cat([spans[:-1].cumsum(0), spans.new_full((1,), padded_rows(rows, counts.shape[0]))])
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    packed_ends = counts.cumsum(0)  # where each group ends among the sorted rows
+    row = torch.arange(rows, device=counts.device)
+    group = torch.searchsorted(packed_ends, row, right=True)  # each sorted row's group
+    place = (starts - packed_ends + counts).index_select(0, group) + row
+    return place, ends.to(torch.int32)
+
+
 def grouped_mlp(x: Tensor, counts: Tensor, fc: Sequence[nn.Linear], proj: Sequence[nn.Linear],
                 dtype: torch.dtype = GROUPED_DTYPE) -> Tensor:
     """Expert e's MLP, ``proj[e](gelu(fc[e](·)))`` (modbench's ``MLP``, no biases), on its slice of ``x``
     (N, d): rows sorted by expert, ``counts`` (E,) rows each (on the device). Returns (N, d) in ``dtype``.
 
+    The rows run in the padded layout (``padded_layout``: zeros between the groups), gathered back after.
     The weights are stacked per call (E, out, in) in ``dtype``: the cast F.linear does under autocast,
     with one stack copy more; their gradients reach each expert's own parameters."""
-    offs = counts.cumsum(0).to(torch.int32)  # where each group ends, on the device
+    place, offs = padded_layout(counts, x.shape[0])
+    padded = x.new_zeros(padded_rows(x.shape[0], counts.shape[0]), x.shape[1], dtype=dtype)
+    padded = padded.index_copy(0, place, x.to(dtype))
     fc_w = torch.stack([layer.weight for layer in fc]).to(dtype)  # (E, r·d, d)
     proj_w = torch.stack([layer.weight for layer in proj]).to(dtype)  # (E, d, r·d)
-    h = F.grouped_mm(x.to(dtype), fc_w.transpose(-2, -1), offs=offs)
-    return F.grouped_mm(F.gelu(h, approximate="tanh"), proj_w.transpose(-2, -1), offs=offs)
+    h = F.grouped_mm(padded, fc_w.transpose(-2, -1), offs=offs)
+    y = F.grouped_mm(F.gelu(h, approximate="tanh"), proj_w.transpose(-2, -1), offs=offs)
+    return y.index_select(0, place)
 
 
 def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
