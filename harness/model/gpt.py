@@ -191,8 +191,12 @@ class MLP(nn.Module):
         self.fc = nn.Linear(d, ratio * d, bias=False)
         self.proj = nn.Linear(ratio * d, d, bias=False)
 
+    @staticmethod
+    def activation(h: Tensor) -> Tensor:
+        return F.gelu(h, approximate="tanh")
+
     def forward(self, x: Tensor) -> Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+        return self.proj(self.activation(self.fc(x)))
 
 
 class TopOneMoE(nn.Module):
@@ -245,7 +249,7 @@ class TopOneMoE(nn.Module):
         ranked = flat.index_select(0, order)
         dtype = grouped_dtype(flat)
         if dtype is not None:  # bf16: one grouped GEMM per matrix, bounded by offsets on the device
-            y = grouped_mlp(ranked, counts, [e.fc for e in self.experts], [e.proj for e in self.experts], dtype)
+            y = grouped_mlp(ranked, counts, self.experts, MLP.activation, dtype)
         else:
             y = self._per_slice(ranked, counts)
         y = y * weight.index_select(0, order).unsqueeze(-1).to(y.dtype)

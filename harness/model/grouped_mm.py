@@ -33,7 +33,7 @@ run, as other overheads are (under 4 % of a mixture's MLP at 1,024 routed tokens
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -73,10 +73,11 @@ def padded_layout(counts: Tensor, rows: int) -> tuple[Tensor, Tensor]:
     return place, ends.to(torch.int32)
 
 
-def grouped_mlp(x: Tensor, counts: Tensor, fc: Sequence[nn.Linear], proj: Sequence[nn.Linear],
+def grouped_mlp(x: Tensor, counts: Tensor, experts: Sequence[nn.Module], activation: Callable[[Tensor], Tensor],
                 dtype: torch.dtype = GROUPED_DTYPE) -> Tensor:
-    """Expert e's MLP, ``proj[e](gelu(fc[e](·)))`` (modbench's ``MLP``, no biases), on its slice of ``x``
-    (N, d): rows sorted by expert, ``counts`` (E,) rows each (on the device). Returns (N, d) in ``dtype``.
+    """Expert e's MLP, ``experts[e].proj(activation(experts[e].fc(·)))`` (modbench's ``MLP``: two bias-free
+    linears), on its slice of ``x`` (N, d): rows sorted by expert, ``counts`` (E,) rows each (on the device).
+    Returns (N, d) in ``dtype``.
 
     The rows run in the padded layout (``padded_layout``: zeros between the groups), gathered back after.
     The weights are stacked per call (E, out, in) in ``dtype``: the cast F.linear does under autocast,
@@ -84,10 +85,10 @@ def grouped_mlp(x: Tensor, counts: Tensor, fc: Sequence[nn.Linear], proj: Sequen
     place, offs = padded_layout(counts, x.shape[0])
     padded = x.new_zeros(padded_rows(x.shape[0], counts.shape[0]), x.shape[1], dtype=dtype)
     padded = padded.index_copy(0, place, x.to(dtype))
-    fc_w = torch.stack([layer.weight for layer in fc]).to(dtype)  # (E, r·d, d)
-    proj_w = torch.stack([layer.weight for layer in proj]).to(dtype)  # (E, d, r·d)
+    fc_w = torch.stack([e.fc.weight for e in experts]).to(dtype)  # (E, r·d, d)
+    proj_w = torch.stack([e.proj.weight for e in experts]).to(dtype)  # (E, d, r·d)
     h = F.grouped_mm(padded, fc_w.transpose(-2, -1), offs=offs)
-    y = F.grouped_mm(F.gelu(h, approximate="tanh"), proj_w.transpose(-2, -1), offs=offs)
+    y = F.grouped_mm(activation(h), proj_w.transpose(-2, -1), offs=offs)
     return y.index_select(0, place)
 
 
