@@ -103,9 +103,9 @@ gpu-pkg:
 # --- A study on one lent GPU, in one slot (modbench.study.slot; README "Studies on a lent GPU") ------
 # Here, on a CPU machine with network (commit first: the kit records the commit):
 #   make gpu-kit                    # build/gpu-kit: the wheels the GPU machine lacks, the stdlib corpus, the commit
-# There, on the lent machine (carry build/gpu-kit; the archive comes back through $OUT):
-#   make gpu-study STUDY=paper_claims_gpu WORKERS=4 MINUTES=8
-#   make gpu-probe STUDY=paper_claims_gpu   # first, once per kind of GPU: trials/minute for N = 1, 2, 4, 8 workers
+# There, on the lent machine (carry build/gpu-kit; the archive and the probe's table come back through $OUT):
+#   make gpu-study STUDY=paper_claims_gpu MINUTES=8.5   # WORKERS=auto: first measures AUTO_WORKERS (4,8), same call
+#   make gpu-probe STUDY=paper_claims_gpu   # the probe alone: trials/minute for N = 1, 2, 4, 8 workers (COMPILE=off,on)
 # Here again: modbench study import <archive>; modbench report paper_claims_gpu.
 # A study cut off by its deadline resumes: on the same machine from its folder, on the next one from
 # the archive copied to $(GPU_KIT)/archives/<study>.tar.gz (carried with the kit).
@@ -114,7 +114,8 @@ GPU_KIT      ?= build/gpu-kit
 GPU_SITE     := build/gpu-site
 STUDY        ?= paper_claims_gpu
 STUDY_NAME    = $(basename $(notdir $(STUDY)))
-WORKERS      ?= 4
+WORKERS      ?= auto
+AUTO_WORKERS ?= 4,8
 MINUTES      ?= 8
 SLOT_OUT     ?= $(or $(OUT),build/slot)
 RESUME       ?= $(wildcard $(GPU_KIT)/archives/$(STUDY_NAME).tar.gz)
@@ -136,7 +137,7 @@ gpu-site:
 	  $(GPU_PYTHON) -m pip install --quiet --no-index --no-deps --target $(GPU_SITE) $(GPU_KIT)/wheels/*.whl; fi
 
 gpu-study: gpu-site gpu-pkg
-	$(SLOT_RUN) -m modbench.cli.main study slot $(STUDY) --workers $(WORKERS) --minutes $(MINUTES) \
+	$(SLOT_RUN) -m modbench.cli.main study slot $(STUDY) --workers $(WORKERS) --probe-workers $(AUTO_WORKERS) --minutes $(MINUTES) \
 	  --archive $(SLOT_OUT)/$(STUDY_NAME).tar.gz --out-dir build/slot-work $(if $(RESUME),--resume $(RESUME))
 
 # How many workers: every N trains the same arm (PROBE_ARMS) at a small budget, compile off (on: COMPILE=off,on).
@@ -156,7 +157,7 @@ gpu-study-dry: $(STAMP)
 	$(MAKE) --no-print-directory gpu-probe GPU_KIT=$(DRY_DIR)/kit GPU_PYTHON=$(abspath $(BIN)/python) \
 	  STUDY=tests/studies/slot_dry.toml SLOT_OUT=$(DRY_DIR)/out PROBE_WORKERS=1,2 PROBE_DEVICE=cpu PROBE_BUDGET=steps=3
 	$(MAKE) --no-print-directory gpu-study GPU_KIT=$(DRY_DIR)/kit GPU_PYTHON=$(abspath $(BIN)/python) \
-	  STUDY=tests/studies/slot_dry.toml WORKERS=2 MINUTES=4 SLOT_OUT=$(DRY_DIR)/out RESUME=
+	  STUDY=tests/studies/slot_dry.toml WORKERS=auto AUTO_WORKERS=1,2 MINUTES=4 SLOT_OUT=$(DRY_DIR)/out RESUME=
 	$(BIN)/modbench study import $(DRY_DIR)/out/slot_dry.tar.gz --out-dir $(DRY_DIR)/studies \
 	  --tracking-uri sqlite:///$(abspath $(DRY_DIR))/mlflow.db
 	$(BIN)/modbench report tests/studies/slot_dry.toml --out-dir $(DRY_DIR)/studies --reports-dir $(DRY_DIR)/reports \

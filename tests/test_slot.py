@@ -122,12 +122,13 @@ def test_a_study_cut_short_resumes_from_its_archive_elsewhere_and_imports_for_th
     before = [p for p in _points("slot_dry", done.storage) if p[2] == "COMPLETE"]
     assert len(before) == 3
 
-    # Slot 2 (another machine, as a GPU machine imports: no MLflow, no statsmodels): the CLI, two workers.
+    # Slot 2 (another machine, as a GPU machine imports: no MLflow, no statsmodels): the CLI, the worker
+    # count measured in the same call (--workers auto: the probe of 1 and 2 workers, then the study).
     env = _gpu_like_env(tmp_path)
-    archive2 = tmp_path / "slot2.tar.gz"
+    archive2 = tmp_path / "slot2" / "slot2.tar.gz"
     second = tmp_path / "machine2"
-    res = _modbench("study", "slot", str(DRY), "--workers", "2", "--minutes", "8", "--resume", str(archive1),
-                    "--archive", str(archive2), "--out-dir", str(second), "--quiet", env=env)
+    res = _modbench("study", "slot", str(DRY), "--workers", "auto", "--probe-workers", "1,2", "--minutes", "8",
+                    "--resume", str(archive1), "--archive", str(archive2), "--out-dir", str(second), "--quiet", env=env)
     assert res.returncode == 0, res.stdout + res.stderr + "".join(
         p.read_text() for p in (second / "slot" / "slot_dry" / "logs").glob("*.log"))
     summary = json.loads(res.stdout.strip().splitlines()[-1])
@@ -142,6 +143,14 @@ def test_a_study_cut_short_resumes_from_its_archive_elsewhere_and_imports_for_th
     with tarfile.open(archive2) as tar:
         manifest2 = json.loads(tar.extractfile("manifest.json").read())
     assert [c.get("device") for c in manifest2["calls"]] == ["test", "cpu"]
+    probe = manifest2["calls"][-1]["probe"]
+    assert probe["candidates"] == [1, 2] and [r["workers"] for r in probe["settings"]] == [1, 2]
+    assert probe["arm"] == "dense L3" and probe["budget"] == "steps=2"  # the heaviest arm, a third of steps=6
+    assert all(r["status"] == "ok" and r["trials"] == r["workers"] for r in probe["settings"]), probe
+    assert manifest2["calls"][-1]["workers"] == probe["chosen"] == slot.best_worker_count(probe["settings"])
+    table = (archive2.parent / "slot_dry-slot-probe.md").read_text()  # beside the archive: it comes back too
+    assert "| off | 1 | 1/1 |" in table and "| off | 2 | 2/2 |" in table
+    assert json.loads((archive2.parent / "slot_dry-slot-probe.json").read_text())["arms"] == ["dense L3"]
     assert manifest2["checkpoints"]["kept"], "the report's checkpoints fit the default budget at this size"
 
     # Here: import (twice: nothing doubles), then the report reads it as it reads a local study.
@@ -186,11 +195,75 @@ def test_a_study_cut_short_resumes_from_its_archive_elsewhere_and_imports_for_th
     assert "## Claims" in text and "## Environment" in text
 
 
+# --- --workers auto -------------------------------------------------------------------------------
+def _row(n: int, per_min: float, status: str = "ok", trials: int | None = None) -> dict:
+    return {"workers": n, "trials": n if trials is None else trials, "trials_per_min": per_min, "status": status}
+
+
+@pytest.mark.parametrize("rows, chosen", [
+    ([_row(4, 10.0), _row(8, 16.0)], 8),                     # 8 clearly faster
+    ([_row(4, 10.0), _row(8, 10.4)], 4),                     # within 5 %: the fewer in flight
+    ([_row(1, 3.0), _row(4, 10.0), _row(8, 9.0)], 4),        # past the GPU's limit 8 is slower
+    ([_row(4, 10.0), _row(8, 30.0, "failed")], 4),           # out of memory at 8: not a candidate
+    ([_row(4, 10.0, "incomplete"), _row(8, 0.0, "failed", 0)], None),  # nothing clean: the caller runs one
+    ([_row(4, 0.0, trials=0)], None),
+])
+def test_auto_runs_the_fewest_workers_near_the_best_clean_rate(rows, chosen):
+    assert slot.best_worker_count(rows) == chosen
+
+
+def test_auto_probes_the_heaviest_arm_at_a_third_of_its_budget(tmp_path):
+    from modbench.design.controls import study_arms
+    from modbench.design.study_file import find_study
+    from modbench.model.sizing import flops_per_token
+
+    study = load_study(find_study("paper_claims_gpu"))
+    args = slot.auto_probe_args(study, (4, 8), 60.0, tmp_path)
+    per_token = {study.label(a): flops_per_token(c.model, c.routing, c.train.seq_len)
+                 for a in study_arms(study) for c in [study.run_config(a, 0)]}
+    assert args.arms == ("sigmoid C=0.125 alternate L8",) == (max(per_token, key=per_token.get),)
+    assert args.budget == "flops=5e+14" and args.workers == (4, 8) and args.trials_per_worker == 1
+    assert args.timeout_s == 60.0 and args.compile == ("off",) and args.json.parent == tmp_path
+
+
+def test_a_later_call_on_the_same_device_reuses_the_probe_its_manifest_records(tmp_path):
+    def call(device, candidates, chosen, started):
+        return {"device": device, "started": started, "workers": chosen,
+                "probe": {"candidates": candidates, "settings": [], "chosen": chosen}}
+    (tmp_path / slot.MANIFEST).write_text(json.dumps({"calls": [
+        call("NVIDIA H100 80GB HBM3", [4, 8], 8, "t1"),
+        {"device": "NVIDIA H100 80GB HBM3", "started": "t2", "workers": 8, "probe": {"reused": "t1", "chosen": 8}},
+        call("NVIDIA H200", [4, 8], 4, "t3")]}))
+    assert slot.earlier_choice(tmp_path, "NVIDIA H100 80GB HBM3", (4, 8)) == {"workers": 8, "from": "t1"}
+    assert slot.earlier_choice(tmp_path, "NVIDIA H200", (4, 8)) == {"workers": 4, "from": "t3"}
+    assert slot.earlier_choice(tmp_path, "NVIDIA H100 80GB HBM3", (2, 4)) is None  # other candidates: probe again
+    assert slot.earlier_choice(tmp_path, "cpu", (4, 8)) is None
+    assert slot.earlier_choice(tmp_path / "new", "NVIDIA H200", (4, 8)) is None  # a first call
+
+
+def test_a_probe_that_breaks_or_has_no_time_still_leaves_the_slot_its_study(tmp_path, monkeypatch):
+    import modbench.study.workers_probe as workers_probe
+
+    def broken(args):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+    monkeypatch.setattr(workers_probe, "probe", broken)
+    study, settings, lines = load_study(DRY), slot.SlotSettings(workers="auto", probe_workers=(4, 8)), []
+    n, record = slot.choose_workers(study, tmp_path, settings, time.time() + 600, "cpu", tmp_path, lines.append)
+    assert n == 1 and record == {"failed": "RuntimeError: CUDA error: an illegal memory access was encountered",
+                                 "candidates": [4, 8], "chosen": 1}
+    assert "the probe failed" in lines[-1]
+    n, record = slot.choose_workers(study, tmp_path, settings, time.time() + 60, "cpu", tmp_path, lines.append)
+    assert n == 4 and record["skipped"] == "no time"  # 60 s: under 20 s a setting, nothing measured
+
+
 # --- refusals: one line, exit 2, nothing created or lost -----------------------------------------
 def test_bad_slot_and_import_input_is_one_line_and_creates_nothing(tmp_path):
     out = tmp_path / "out"
     cases = {
         ("study", "slot", str(DRY), "--workers", "0", "--out-dir", str(out)): "--workers",
+        ("study", "slot", str(DRY), "--workers", "some", "--out-dir", str(out)): "'auto'",
+        ("study", "slot", str(DRY), "--workers", "auto", "--probe-workers", "4,0", "--out-dir", str(out)):
+            "--probe-workers",
         ("study", "slot", str(DRY), "--minutes", "0.5", "--out-dir", str(out)): "--minutes",
         ("study", "slot", str(DRY), "--resume", str(tmp_path / "none.tar.gz"), "--out-dir", str(out)): "--resume",
         ("study", "slot", str(tmp_path / "nostudy.toml"), "--out-dir", str(out)): "nostudy",

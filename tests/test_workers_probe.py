@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from modbench.study import workers_probe
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"  # as tests/conftest.py finds it
 ABSENT = ("optuna", "mlflow", "sqlalchemy", "statsmodels")  # not installed on the GPU machine
@@ -110,7 +112,8 @@ def test_cpu_dry_run_measures_every_setting(tmp_path):
     assert data["best"]["compile"] == "off" and data["best"]["workers"] in (1, 2)
 
     table = out_md.read_text()
-    assert "| compile | N | trials | wall s | trials/min | aggregate tokens/s | median trial s | speed-up | status |" in table
+    assert ("| compile | N | trials | wall s | trials/min | aggregate tokens/s | median trial s | speed-up | "
+            "peak GiB a worker | status |") in table
     assert "| off | 1 | 1/1 |" in table and "| off | 2 | 2/2 |" in table
     assert table.rstrip().splitlines()[-1].startswith("Highest trials/minute: compile off, N = ")
     assert "| off | 2 | 2/2 |" in r.stdout  # the table is printed too
@@ -154,3 +157,25 @@ print("ok" if not leaked else leaked)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "ok"
+
+
+def _setting(n: int, peak: float | None, status: str = "ok", device_gib: float | None = 79.2):
+    rows = [{"status": "ok", "peak_mem_gib": peak} for _ in range(n)]
+    info = {"device_memory_gib": device_gib} if device_gib else {}
+    return workers_probe.SettingResult("off", n, 1, n, rows, 10.0, status, [], info)
+
+
+@pytest.mark.parametrize("asked, done, expected", [
+    (8, [], 8),                                        # nothing measured: run as asked
+    (8, [_setting(4, 9.5)], 6),                        # 0.9 × 79.2 GiB = 71.3 GiB holds 6 × 10.25 GiB, not 7
+    (8, [_setting(4, 7.0)], 8),                        # 8 × 7.75 = 62 GiB fits
+    (8, [_setting(4, 9.5, device_gib=139.7)], 8),      # an H200
+    (8, [_setting(1, 20.0)], 3),
+    (8, [_setting(4, 9.5, status="failed")], 8),       # only clean settings' peaks count
+    (8, [_setting(4, None, device_gib=None)], 8),      # a CPU: no memory figures
+    (2, [_setting(1, 60.0)], 1),                       # not even two fit
+])
+def test_a_worker_count_too_large_for_the_gpu_memory_is_replaced_by_the_most_that_fit(asked, done, expected):
+    n, why = workers_probe.fitting_workers(asked, done)
+    assert n == expected
+    assert (why == "") == (n == asked) and (not why or f"{asked} ×" in why and "GiB" in why)

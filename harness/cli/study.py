@@ -103,9 +103,11 @@ def run(args) -> int:
 
 def slot(args) -> int:
     """``modbench study slot FILE``: the study on this (lent GPU) machine until done or the deadline."""
-    from modbench.study.slot import SlotSettings, run_slot
+    from modbench.study.slot import SlotSettings, parse_workers, run_slot
+    from modbench.study.workers_probe import worker_counts
 
-    settings = SlotSettings(workers=args.workers, minutes=args.minutes, checkpoint_mib=args.checkpoint_mib)
+    settings = SlotSettings(workers=parse_workers(args.workers), probe_workers=worker_counts("--probe-workers", args.probe_workers),
+                            minutes=args.minutes, checkpoint_mib=args.checkpoint_mib)
     archive = Path(args.archive) if args.archive else Path(args.out_dir) / "slot" / f"{Path(args.study_file).stem}.tar.gz"
     log = (lambda *a, **k: None) if args.quiet else (lambda line: print(line, flush=True))
     outcome = run_slot(args.study_file, settings=settings, archive=archive, out_dir=Path(args.out_dir) / "slot",
@@ -402,7 +404,9 @@ def add_parser(sub) -> None:
     sl = ssub.add_parser("slot", help="run a study on one lent GPU within a deadline: N workers, one archive "
                          "that resumes it and that 'study import' reads")
     sl.add_argument("study_file", help="a study file, or the name of a shipped study")
-    sl.add_argument("--workers", type=int, default=4, help="worker processes on the one GPU (default 4)")
+    sl.add_argument("--workers", default="4", help="worker processes on the one GPU, or 'auto': probe "
+                    "--probe-workers first, in this call, and run with the best (default 4)")
+    sl.add_argument("--probe-workers", default="4,8", help="the worker counts --workers auto measures (default 4,8)")
     sl.add_argument("--minutes", type=float, default=8.0, help="wall-clock bound of the whole call (default 8)")
     sl.add_argument("--archive", help="where the archive goes (default <out-dir>/slot/<study>.tar.gz)")
     sl.add_argument("--resume", help="an archive of an earlier slot call of this study, to go on from")

@@ -7,9 +7,19 @@ back is a handful of files. ``modbench study slot STUDY`` runs a study there:
    folders) is taken as it is when this machine already has it (a second call), else unpacked
    from ``--resume ARCHIVE`` (a call on the next lent machine), else started afresh.
 2. **Workers.** ``--workers N`` processes run ``modbench study run`` against that one SQLite
-   store on the one GPU (a small model in one process leaves most of an H100 idle: measure N with
-   ``python -m modbench.study.workers_probe``). Their runs are written as files
-   (``modbench.track.offline``), not to MLflow, which the machine does not have.
+   store on the one GPU (a small model in one process leaves most of an H100 idle). Their runs are
+   written as files (``modbench.track.offline``), not to MLflow, which the machine does not have.
+   ``--workers auto`` measures N first, in the same call (``choose_workers``): the workers probe
+   (``modbench.study.workers_probe``) runs each of ``--probe-workers`` (default 4, 8) on the study's
+   heaviest arm (the most training FLOPs a token: its trials set the pace and its memory is the
+   workers' peak) at a third of that arm's budget, one trial a worker, within a third of the slot at
+   most (a count whose workers would not fit in the GPU's memory by the peak measured before becomes
+   the most that fit: ``workers_probe.fitting_workers``); the study then runs with the fewest workers within 5 % of the highest trials/minute (fewer
+   trials in flight lose less to the deadline and hold less memory), or with one worker when no
+   setting ended cleanly (an out-of-memory at N = 8 fails that setting, not the study). A later call
+   on the same kind of device reuses the choice its manifest records. Why in the call: a lent
+   machine stays warm for 30 s after a command, so a probe in a call of its own would cost a second
+   start or a decision made in half a minute.
 3. **Deadline.** ``--minutes M`` bounds the whole command. Workers start no trial that the longest
    finished trial says would end after ``M`` minutes less the archive's reserve; a trial still
    running at that point is stopped the way Ctrl-C stops one (``modbench.interrupts``: its
@@ -49,7 +59,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from modbench.errors import ModbenchError
 
@@ -62,14 +72,21 @@ SLOT_ATTR = "slot_archive"  # Optuna study user attr of an imported study: its m
 CHECKPOINT_ARTIFACT = "checkpoint/checkpoint.pt"
 LEFT_OUT_TAG = "modbench.checkpoint_left_out"  # on an imported run whose checkpoint stayed on the slot
 WEIGHT_KEYS = ("model", "config", "step", "run_id", "history")  # what report and generate read of a checkpoint
+AUTO = "auto"
+PROBE_SHARE = 1 / 3  # of the slot's training window, the most the probe of --workers auto may take
+PROBE_SETTING_S = 90.0  # one probe setting's limit: worker start-up, then one trial a worker
+PROBE_BUDGET_SHARE = 1 / 3  # of the heaviest arm's budget, one probe trial's
+NEAR_BEST = 0.95  # a worker count within 5 % of the best trials/minute is as good
 
 
 @dataclass(frozen=True)
 class SlotSettings:
     """How one call uses its slot."""
 
-    workers: int = 4
-    """Worker processes on the one GPU (``modbench.study.workers_probe`` measures the best N)."""
+    workers: int | Literal["auto"] = 4
+    """Worker processes on the one GPU, or "auto": measure ``probe_workers`` first (module docstring)."""
+    probe_workers: tuple[int, ...] = (4, 8)
+    """The worker counts "auto" measures (add 1 for the probe's speed-up column)."""
     minutes: float = 8.0
     """Wall-clock bound of the whole call: workers, stop and archive."""
     reserve_s: float = 45.0
@@ -78,13 +95,25 @@ class SlotSettings:
     """Checkpoint weights the archive may hold (a slot returns files of at most 16 MiB)."""
 
     def check(self) -> None:
-        if self.workers < 1:
-            raise ModbenchError(f"--workers must be a positive integer, got {self.workers}")
+        if self.workers != AUTO and (not isinstance(self.workers, int) or self.workers < 1):
+            raise ModbenchError(f"--workers {self.workers!r} is not accepted: expected a positive integer or {AUTO!r}")
+        if not self.probe_workers or any(n < 1 for n in self.probe_workers):
+            raise ModbenchError(f"--probe-workers {self.probe_workers!r} is not accepted: expected positive integers")
         if not self.minutes * 60 > self.reserve_s:
             raise ModbenchError(f"--minutes {self.minutes:g} leaves no time to train: give more than "
                                 f"{self.reserve_s / 60:.2f} minutes (the stop and archive take {self.reserve_s:g} s)")
         if self.checkpoint_mib < 0:
             raise ModbenchError(f"--checkpoint-mib must be >= 0, got {self.checkpoint_mib:g}")
+
+
+def parse_workers(text: str) -> int | Literal["auto"]:
+    """``--workers``: a positive integer, or "auto"."""
+    text = str(text).strip().lower()
+    if text == AUTO:
+        return AUTO
+    if not text.isdigit() or int(text) < 1:
+        raise ModbenchError(f"--workers {text!r} is not accepted: expected a positive integer or {AUTO!r}")
+    return int(text)
 
 
 @dataclass
@@ -113,12 +142,17 @@ def run_slot(study_file: str, *, settings: SlotSettings, archive: Path, out_dir:
     folder = out_dir / study.name
     _restore(folder, study.name, resume, log)
     deadline = start + settings.minutes * 60 - settings.reserve_s
-    log(f"slot: study {study.name}, {settings.workers} workers, trials start until "
+    machine = _machine()
+    workers, probe = (settings.workers, None) if settings.workers != AUTO else \
+        choose_workers(study, folder, settings, deadline, machine["device"], archive.parent, log)
+    log(f"slot: study {study.name}, {workers} workers, trials start until "
         f"{(deadline - start) / 60:.1f} min; stop and archive by {settings.minutes:g} min")
-    code = _run_workers(study, folder, settings, deadline, log)
+    code = _run_workers(study, folder, workers, deadline, settings.reserve_s, log)
     counts = trial_counts(study.name, folder / STORE)
-    call = {"started": _iso(start), "wall_s": round(time.time() - start, 1), "workers": settings.workers,
-            "minutes": settings.minutes, "worker_exit_codes": code, "trials": counts, **_machine()}
+    call = {"started": _iso(start), "wall_s": round(time.time() - start, 1), "workers": workers,
+            "minutes": settings.minutes, "worker_exit_codes": code, "trials": counts, **machine}
+    if probe is not None:
+        call["probe"] = probe
     write_archive(folder, study, archive, call=call, checkpoint_mib=settings.checkpoint_mib)
     wall = time.time() - start
     log(f"slot: {', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}; archive {archive} "
@@ -146,7 +180,87 @@ def _restore(folder: Path, name: str, resume: Path | None, log) -> None:
     log(f"slot: resuming from {resume} ({len(manifest.get('calls', []))} earlier calls)")
 
 
-def _run_workers(study, folder: Path, settings: SlotSettings, deadline: float, log) -> list[int]:
+def choose_workers(study, folder: Path, settings: SlotSettings, deadline: float, device: str, out: Path,
+                   log) -> tuple[int, dict[str, Any]]:
+    """``--workers auto``: (the worker count, what the manifest records of how it was chosen)."""
+    earlier = earlier_choice(folder, device, settings.probe_workers)
+    if earlier is not None:
+        log(f"slot: {earlier['workers']} workers, as the probe of {earlier['from']} chose on this device")
+        return earlier["workers"], {"reused": earlier["from"], "chosen": earlier["workers"]}
+    setting_s = min(PROBE_SETTING_S, (deadline - time.time()) * PROBE_SHARE / len(settings.probe_workers))
+    if setting_s < 20:  # too short a slot to measure: the smallest candidate, untested
+        fallback = min(settings.probe_workers)
+        log(f"slot: no time to probe ({setting_s:.0f} s a setting); {fallback} workers")
+        return fallback, {"skipped": "no time", "candidates": list(settings.probe_workers), "chosen": fallback}
+    args = auto_probe_args(study, settings.probe_workers, setting_s, out)
+    log(f"slot: probing {', '.join(map(str, args.workers))} workers on {args.arms[0]!r} at {args.budget} "
+        f"(at most {setting_s:.0f} s each)")
+    from modbench.study.workers_probe import probe
+
+    t0 = time.time()
+    try:
+        data, _ = probe(args)
+    except Exception as e:  # a probe that breaks must not cost the slot its study: run the safe count
+        reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:200]
+        log(f"slot: the probe failed ({reason}); 1 worker")
+        return 1, {"failed": reason, "candidates": list(args.workers), "chosen": 1}
+    rows = [{k: s[k] for k in ("workers", "trials", "trials_per_min", "median_trial_s", "speedup", "peak_mem_gib",
+                                "status", "reasons")} for s in data["settings"]]
+    chosen = best_worker_count(rows)
+    log("slot: probe " + "; ".join(f"N {r['workers']}: {r['trials_per_min']:.2f} trials/min ({r['status']})"
+                                   for r in rows) + f" -> {chosen or 1} workers")
+    return chosen or 1, {"arm": args.arms[0], "budget": args.budget, "seconds": round(time.time() - t0, 1),
+                         "candidates": list(args.workers), "settings": rows, "chosen": chosen or 1}
+
+
+def best_worker_count(rows: list[dict[str, Any]]) -> int | None:
+    """The fewest workers within ``NEAR_BEST`` of the highest trials/minute among the settings that
+    ended cleanly; None when none did (the caller then runs one worker, the setting that shares nothing)."""
+    ok = [r for r in rows if r["status"] == "ok" and r["trials"]]
+    if not ok:
+        return None
+    top = max(r["trials_per_min"] for r in ok)
+    return min(r["workers"] for r in ok if r["trials_per_min"] >= NEAR_BEST * top)
+
+
+def earlier_choice(folder: Path, device: str, candidates: tuple[int, ...]) -> dict[str, Any] | None:
+    """The worker count an earlier call of this study chose by probing the same candidates on a device
+    of the same name (its manifest, restored with the study), or None."""
+    manifest = folder / MANIFEST
+    calls = json.loads(manifest.read_text()).get("calls", []) if manifest.is_file() else []
+    for call in reversed(calls):
+        probe = call.get("probe") or {}
+        if call.get("device") == device and probe.get("candidates") == list(candidates) and "settings" in probe:
+            return {"workers": probe["chosen"], "from": call.get("started", "an earlier call")}
+    return None
+
+
+def auto_probe_args(study, candidates: tuple[int, ...], setting_s: float, out: Path):
+    """The probe of ``--workers auto``: the heaviest arm, a third of its budget, one trial a worker."""
+    import torch
+
+    from modbench.config.budget import Budget
+    from modbench.design.controls import study_arms
+    from modbench.model.sizing import flops_per_token
+    from modbench.study.workers_probe import ProbeArgs
+
+    def heaviness(arm) -> float:
+        cfg = study.run_config(arm, 0)
+        return flops_per_token(cfg.model, cfg.routing, cfg.train.seq_len)
+
+    arm = max(study_arms(study), key=heaviness)
+    cfg = study.run_config(arm, 0)
+    budget = Budget.parse(cfg.train.budget)
+    amount = budget.amount * PROBE_BUDGET_SHARE
+    probe_budget = Budget(budget.kind, max(1.0, float(int(amount))) if budget.kind == "steps" else amount)
+    return ProbeArgs(study=str(study.path), workers=candidates, compile=("on" if cfg.train.compile else "off",),
+                     trials_per_worker=1, device="cuda" if torch.cuda.is_available() else "cpu",
+                     budget=str(probe_budget), arms=(study.label(arm),), threads=0, warmup=True, out_dir=None,
+                     json=out / f"{study.name}-slot-probe.json", markdown=out / f"{study.name}-slot-probe.md",
+                     timeout_s=setting_s)
+
+
+def _run_workers(study, folder: Path, workers: int, deadline: float, reserve_s: float, log) -> list[int]:
     """Start the workers, stop them at the deadline, return their exit codes."""
     folder.mkdir(parents=True, exist_ok=True)
     logs = folder / "logs"
@@ -156,7 +270,7 @@ def _run_workers(study, folder: Path, settings: SlotSettings, deadline: float, l
     command = [sys.executable, "-m", "modbench.cli.main", "study", "run", str(study.path), "--out-dir",
                str(folder.parent), "--offline-runs", str(folder / RUNS), "--minutes", f"{minutes_left:.4f}", "--quiet"]
     procs = []
-    for i in range(settings.workers):
+    for i in range(workers):
         with open(logs / f"worker-{i}.log", "ab") as out:
             # Each worker its own process group: the stop below reaches it and what it started.
             procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
@@ -167,7 +281,7 @@ def _run_workers(study, folder: Path, settings: SlotSettings, deadline: float, l
             last_note = time.time()
             counts = trial_counts(study.name, folder / STORE)
             log(f"slot: {time.time() - started:.0f} s, trials " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-    _stop(procs, grace_s=max(5.0, settings.reserve_s / 2), log=log)
+    _stop(procs, grace_s=max(5.0, reserve_s / 2), log=log)
     return [p.returncode for p in procs]
 
 

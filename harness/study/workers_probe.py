@@ -52,7 +52,11 @@ How to read it. Pick the setting with the highest trials/min whose status is "ok
 N to 2N is worth it only while the speed-up keeps growing clearly (the median trial s says
 how much slower each trial gets). A failed worker (say, CUDA out of memory at N = 8) marks the
 setting "failed" with the worker's one-line reason; its finished trials still count, but the
-setting is not a candidate. "incomplete" means ``--timeout-s`` ended it; its numbers cover the
+setting is not a candidate. So that an N too large for the GPU's memory costs no setting, each N
+after a clean CUDA setting is checked first (``fitting_workers``): if N workers, each holding the
+highest peak a clean setting's worker reserved plus 0.75 GiB for its CUDA context, would pass 90 % of
+the device's memory, the probe runs the most that fit instead (the table says "7 (for 8)" and why),
+or skips N when that count was measured already. "incomplete" means ``--timeout-s`` ended it; its numbers cover the
 trials finished by then. The probe's trials are untracked (no MLflow process per trial), so a
 real study's trials/min is a little lower. With compile on, every setting gets its own empty
 inductor/triton cache (under the out dir), so each setting pays the same cold compilation per
@@ -92,6 +96,8 @@ MARK = "@@workers_probe "  # prefix of the worker's protocol lines on its stdout
 COMPILE_VALUES = ("off", "on")
 DEVICES = ("cuda", "cpu")
 REASON_CHARS = 160
+MEMORY_SHARE = 0.9  # of the device's memory, what a setting's workers may be projected to hold together
+CONTEXT_GIB = 0.75  # a CUDA process's memory outside its caching allocator (context, kernels): assumed
 KILL_GRACE_S = 5.0
 EXIT_WAIT_S = 30.0
 
@@ -145,7 +151,7 @@ def parse_args(argv: Sequence[str]) -> ProbeArgs:
     a = build_parser().parse_args(list(argv))
     return ProbeArgs(
         study=a.study,
-        workers=_int_list(a.workers),
+        workers=worker_counts("--workers", a.workers),
         compile=_compile_list(a.compile),
         trials_per_worker=_positive_int("--trials-per-worker", a.trials_per_worker),
         device=_device(a.device),
@@ -160,10 +166,11 @@ def parse_args(argv: Sequence[str]) -> ProbeArgs:
     )
 
 
-def _int_list(text: str) -> tuple[int, ...]:
+def worker_counts(flag: str, text: str) -> tuple[int, ...]:
+    """A comma-separated list of worker counts, each given once, in the order given."""
     items = [s.strip() for s in str(text).split(",")]
     if not all(s.isdigit() and int(s) > 0 for s in items):
-        raise ModbenchError(f"--workers {text!r} is not accepted: expected a comma-separated list of positive "
+        raise ModbenchError(f"{flag} {text!r} is not accepted: expected a comma-separated list of positive "
                             "integers, such as 1,2,4,8")
     return tuple(dict.fromkeys(int(s) for s in items))
 
@@ -313,7 +320,8 @@ def _worker_setup(spec: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.init()
         torch.zeros(1, device="cuda")  # the CUDA context, before the common start
         torch.cuda.synchronize()
-        info.update(device_name=torch.cuda.get_device_name(0), cuda_version=torch.version.cuda)
+        info.update(device_name=torch.cuda.get_device_name(0), cuda_version=torch.version.cuda,
+                    device_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 2))
     if spec["warmup"]:
         _warmup(spec, study, arms[spec["worker"] % len(arms)], train)
     return {"torch": torch, "study": study, "arms": arms, "train": train, "info": info}
@@ -382,6 +390,7 @@ class SettingResult:
     status: str  # ok | failed | incomplete
     reasons: list[str]
     info: dict[str, Any]
+    asked: dict[str, Any] | None = None  # the count asked for, when memory made it fewer (``fitting_workers``)
 
 
 def run_setting(args: ProbeArgs, plan: ProbePlan, compile_: str, n: int, out_root: Path) -> SettingResult:
@@ -566,7 +575,7 @@ def summarize(s: SettingResult, timeout_s: float) -> dict[str, Any]:
         "median_trial_s": round(statistics.median(r["seconds"] for r in ok), 3) if ok else None,
         "speedup": None,
         "peak_mem_gib": max(peaks) if peaks else None,
-        "status": s.status, "reasons": reasons,
+        "status": s.status, "reasons": reasons, "asked": s.asked,
     }
 
 
@@ -585,16 +594,21 @@ def best_setting(summaries: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def markdown(summaries: list[dict[str, Any]], plan: ProbePlan, args: ProbeArgs, device_name: str | None) -> str:
-    head = ["compile", "N", "trials", "wall s", "trials/min", "aggregate tokens/s", "median trial s", "speed-up", "status"]
+    head = ["compile", "N", "trials", "wall s", "trials/min", "aggregate tokens/s", "median trial s", "speed-up",
+            "peak GiB a worker", "status"]
     lines = [f"Workers probe: study {plan.study_name}, budget {plan.budget}, {args.trials_per_worker} trial(s) per worker, "
              f"device {device_name or args.device}.", "",
-             "| " + " | ".join(head) + " |", "|" + "|".join("---" if i in (0, 8) else "---:" for i in range(len(head))) + "|"]
+             "| " + " | ".join(head) + " |", "|" + "|".join("---" if i in (0, len(head) - 1) else "---:" for i in range(len(head))) + "|"]
     for s in summaries:
-        cells = [s["compile"], str(s["workers"]), f"{s['trials']}/{s['trials_expected']}", f"{s['wall_s']:.1f}",
+        cells = [s["compile"], str(s["workers"]) + (f" (for {s['asked']['workers']})" if s.get("asked") else ""),
+                 f"{s['trials']}/{s['trials_expected']}", f"{s['wall_s']:.1f}",
                  f"{s['trials_per_min']:.2f}", f"{s['tokens_per_s']:,.0f}",
                  "–" if s["median_trial_s"] is None else f"{s['median_trial_s']:.2f}",
-                 "–" if s["speedup"] is None else f"{s['speedup']:.2f}×", _status_cell(s)]
+                 "–" if s["speedup"] is None else f"{s['speedup']:.2f}×",
+                 "–" if s["peak_mem_gib"] is None else f"{s['peak_mem_gib']:.1f}", _status_cell(s)]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += [f"\nN = {s['workers']} for {s['asked']['workers']}: {s['asked']['why']} (peak reserved memory of the "
+              f"settings before, plus {CONTEXT_GIB:g} GiB a process for its CUDA context)." for s in summaries if s.get("asked")]
     best = best_setting(summaries)
     lines += ["", f"Highest trials/minute: compile {best['compile']}, N = {best['workers']} "
                   f"({best['trials_per_min']:.2f} trials/min, status {best['status']})." if best
@@ -619,6 +633,7 @@ def report(args: ProbeArgs, plan: ProbePlan, results: list[SettingResult], start
         "schema": SCHEMA, "started_at": started, "study": plan.study_name, "study_file": plan.study_file,
         "budget": plan.budget, "budget_override": plan.budget_override, "arms": list(plan.labels),
         "device": args.device, "device_name": device_name, "cuda_version": info.get("cuda_version"),
+        "device_memory_gib": info.get("device_memory_gib"),
         "torch_version": info.get("torch_version", torch.__version__),
         "python_version": platform.python_version(), "platform": platform.platform(),
         "trials_per_worker": args.trials_per_worker, "workers": list(args.workers), "compile": list(args.compile),
@@ -642,26 +657,52 @@ def write_outputs(args: ProbeArgs, data: dict[str, Any], table: str) -> None:
 
 
 # --- the command --------------------------------------------------------------------------------
-def probe(args: ProbeArgs) -> str:
-    """Run every setting (compile × N, in the order given); returns the markdown table."""
+def probe(args: ProbeArgs) -> tuple[dict[str, Any], str]:
+    """Run every setting (compile × N, in the order given); returns the JSON data and the markdown table."""
     plan = make_plan(args)
     check_device(args.device)
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     out_root = args.out_dir or Path(tempfile.mkdtemp(prefix="workers_probe-"))
     results: list[SettingResult] = []
+    data: dict[str, Any] = {}
     table = ""
     try:
         for compile_ in args.compile:
-            for n in args.workers:
+            for asked in args.workers:
+                done = [r for r in results if r.compile == compile_]
+                n, why = fitting_workers(asked, done)
+                if n in {r.workers for r in done}:
+                    _log(f"compile {compile_}, N = {asked}: skipped ({why}; N = {n} was measured)")
+                    continue
                 results.append(run_setting(args, plan, compile_, n, out_root))
+                if n != asked:
+                    results[-1].asked = {"workers": asked, "why": why}
                 data, table = report(args, plan, results, started)
                 write_outputs(args, data, table)  # after every setting: a probe cut short keeps what it measured
-                _log(f"compile {compile_}, N = {n}: {data['settings'][-1]['trials_per_min']:.2f} trials/min "
-                     f"({data['settings'][-1]['status']})")
+                _log(f"compile {compile_}, N = {n}{f' (for {asked}: {why})' if n != asked else ''}: "
+                     f"{data['settings'][-1]['trials_per_min']:.2f} trials/min ({data['settings'][-1]['status']})")
     finally:
         if args.out_dir is None:
             shutil.rmtree(out_root, ignore_errors=True)
-    return table
+    return data, table
+
+
+def fitting_workers(asked: int, done: list[SettingResult]) -> tuple[int, str]:
+    """(``asked``, "") or, where its workers would not fit in the device's memory, (the most that
+    would, why). A worker is projected to hold the highest peak any clean setting's workers reserved
+    (the same arm, so the same shapes) plus ``CONTEXT_GIB``; a setting's workers together at most
+    ``MEMORY_SHARE`` of the device. Without a clean CUDA setting measured yet, ``asked`` is run as it is:
+    an out-of-memory then fails that setting, at the cost of its time."""
+    peaks = [row["peak_mem_gib"] for r in done if r.status == "ok" for row in r.rows if row.get("peak_mem_gib")]
+    device_gib = next((r.info["device_memory_gib"] for r in done if r.info.get("device_memory_gib")), None)
+    if not peaks or not device_gib:
+        return asked, ""
+    per_worker = max(peaks) + CONTEXT_GIB
+    fits = max(1, int(MEMORY_SHARE * device_gib // per_worker))
+    if asked <= fits:
+        return asked, ""
+    return fits, (f"{asked} × {per_worker:.1f} GiB would exceed {MEMORY_SHARE:.0%} of the device's "
+                  f"{device_gib:.1f} GiB")
 
 
 def _log(text: str) -> None:
@@ -674,7 +715,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return worker_main(argv[1])
     try:
         args = parse_args(argv)
-        print(probe(args), end="")
+        print(probe(args)[1], end="")
         return 0
     except ModbenchError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
