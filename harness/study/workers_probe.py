@@ -4,8 +4,10 @@
         [--trials-per-worker K] [--device cuda|cpu] [--budget BUDGET] [--threads T] [--no-warmup]
         [--out-dir DIR] [--json PATH] [--markdown PATH] [--timeout-s S]
 
-What it measures. A small model's training process keeps an H100 only 12–16 % busy, so a study
-runs several worker processes on the one GPU. For every setting (compile off/on × N workers)
+What it measures. A small model's training process reached only 12–16 % of an H100's bf16 peak
+FLOP/s (issue "Studies on one lent GPU"; that is model FLOP utilisation, not the share of time the
+GPU was busy, which was not measured), so a study runs several worker processes on the one GPU, and
+how much N of them gain is this probe's measurement. For every setting (compile off/on × N workers)
 the probe starts N worker processes together; each trains K trials of the study (seed 0,
 untracked, ``train(cfg, progress=False)``), worker w's trial k being the study's arm
 (w + k) mod A of its A arms (``modbench.model.sizing.study_arms``: the declared arms and the
