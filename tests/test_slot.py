@@ -256,6 +256,30 @@ def test_a_probe_that_breaks_or_has_no_time_still_leaves_the_slot_its_study(tmp_
     assert n == 4 and record["skipped"] == "no time"  # 60 s: under 20 s a setting, nothing measured
 
 
+def test_each_slot_worker_gets_its_share_of_the_cores_as_the_probe_measured(tmp_path, monkeypatch):
+    from modbench.study.workers_probe import thread_share
+
+    started = []
+
+    class Done:  # a worker that has already ended
+        def __init__(self, command, **kwargs):
+            started.append(kwargs["env"])
+            self.returncode, self.pid = 0, 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(slot.subprocess, "Popen", Done)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    slot._run_workers(load_study(DRY), tmp_path / "s", 3, time.time() + 60, 10.0, lambda line: None)
+    assert [e["OMP_NUM_THREADS"] for e in started] == [str(thread_share(3))] * 3
+    assert thread_share(3) == max(1, len(os.sched_getaffinity(0)) // 3)
+    started.clear()
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")  # the user's own setting wins
+    slot._run_workers(load_study(DRY), tmp_path / "s", 2, time.time() + 60, 10.0, lambda line: None)
+    assert [e["OMP_NUM_THREADS"] for e in started] == ["5", "5"]
+
+
 # --- refusals: one line, exit 2, nothing created or lost -----------------------------------------
 def test_bad_slot_and_import_input_is_one_line_and_creates_nothing(tmp_path):
     out = tmp_path / "out"

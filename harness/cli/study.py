@@ -166,9 +166,10 @@ class HelperWorkers:
         from modbench.track.store import STORAGE_ENV
 
         from modbench.design.study_file import check_arms_train, load_study
+        from modbench.study.workers_probe import thread_share
 
         check_arms_train(load_study(args.study_file))  # a refusal: one line from this worker, no helper started
-        threads = max(1, (os.cpu_count() or 1) // args.workers)
+        threads = thread_share(args.workers)
         env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
         if storage:
             env[STORAGE_ENV] = storage

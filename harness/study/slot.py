@@ -269,11 +269,15 @@ def _run_workers(study, folder: Path, workers: int, deadline: float, reserve_s: 
     minutes_left = (deadline - started) / 60
     command = [sys.executable, "-m", "modbench.cli.main", "study", "run", str(study.path), "--out-dir",
                str(folder.parent), "--offline-runs", str(folder / RUNS), "--minutes", f"{minutes_left:.4f}", "--quiet"]
+    from modbench.study.workers_probe import thread_share
+
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(thread_share(workers)))  # each its share of the cores, as the probe measured
     procs = []
     for i in range(workers):
         with open(logs / f"worker-{i}.log", "ab") as out:
             # Each worker its own process group: the stop below reaches it and what it started.
-            procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
     last_note = time.time()
     while any(p.poll() is None for p in procs) and time.time() < deadline:
         time.sleep(1.0)

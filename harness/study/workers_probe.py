@@ -269,10 +269,14 @@ def check_device(device: str) -> None:
 
 
 def threads_for(args: ProbeArgs, n: int) -> int:
-    if args.threads:
-        return args.threads
+    return args.threads or thread_share(n)
+
+
+def thread_share(workers: int) -> int:
+    """One of ``workers`` processes' share of the CPUs this process may use (at least 1): the torch
+    threads each worker of a study gets, as N processes that each took every core would contend."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cpus // n)
+    return max(1, cpus // workers)
 
 
 # --- one worker (a subprocess) ------------------------------------------------------------------
