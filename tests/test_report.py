@@ -305,8 +305,40 @@ def test_compute_and_wall_time_come_from_the_trials_timestamps():
                            "finished": [t0 + pd.Timedelta(minutes=10), t0 + pd.Timedelta(minutes=20),
                                         t0 + pd.Timedelta(minutes=6)]})
     c = compute_summary(trials)
-    assert c == {"trials": 3, "complete": 2, "train_flops": 1.4e13, "trial_s": 31 * 60.0, "wall_s": 20 * 60.0}
+    assert c == {"trials": 3, "complete": 2, "train_flops": 1.4e13, "trial_s": 31 * 60.0, "wall_s": 20 * 60.0,
+                 "slot_calls": []}
     assert "1.4e+13 training FLOPs" in compute_line(c) and "20.0 min of wall time" in compute_line(c)
+    assert "slot call" not in compute_line(c)
+
+
+def test_a_slot_studys_compute_line_names_each_call_its_device_workers_and_probe():
+    import pandas as pd
+
+    from modbench.report.render import compute_line
+    from modbench.report.sections import compute_summary
+    from modbench.study.slot import call_summary
+
+    probe = {"arm": "sigmoid C=0.125 alternate L8", "budget": "flops=5e+14", "candidates": [4, 8], "chosen": 6,
+             "settings": [{"workers": 4, "trials": 4, "trials_per_min": 10.2, "peak_mem_gib": 9.6, "status": "ok",
+                           "reasons": [], "asked": None},
+                          {"workers": 6, "trials": 6, "trials_per_min": 13.9, "peak_mem_gib": 9.7, "status": "ok",
+                           "reasons": [], "asked": {"workers": 8, "why": "8 × 10.4 GiB would exceed 90 %"}}]}
+    manifest_calls = [
+        {"device": "NVIDIA H100 80GB HBM3", "minutes": 8.5, "wall_s": 505.2, "workers": 6, "probe": probe,
+         "worker_exit_codes": [0] * 6, "git_sha": "abc"},
+        {"device": "NVIDIA H100 80GB HBM3", "minutes": 8.5, "wall_s": 300.0, "workers": 6,
+         "probe": {"reused": "2026-11-28T01:00:00Z", "chosen": 6}},
+        {"device": "NVIDIA H200", "minutes": 4.0, "workers": 1,
+         "probe": {"failed": "OSError: /root/tmp/x.pt: no space left", "candidates": [4, 8], "chosen": 1}}]
+    calls = [call_summary(c) for c in manifest_calls]
+    assert "/root" not in repr(calls) and "worker_exit_codes" not in repr(calls)  # what the study attr keeps
+    trials = pd.DataFrame({"state": ["COMPLETE"]})
+    line = compute_line(compute_summary(trials, calls))
+    assert "It ran in 3 slot calls" in line
+    assert ("NVIDIA H100 80GB HBM3, 8.5 min bound, 8.4 min used, 6 workers (chosen by a probe on the heaviest arm, "
+            "trials/min by workers: 4: 10.20, 6 for 8: 13.90; at most 9.7 GiB reserved a worker)") in line
+    assert "5.0 min used, 6 workers (an earlier call's probe on this device)" in line
+    assert "NVIDIA H200, 4 min bound, 1 worker (the probe failed: the fallback count)" in line
 
 
 def test_a_dirty_or_mixed_git_sha_is_said_plainly():

@@ -109,6 +109,19 @@ def test_a_report_re_rendered_from_its_saved_data_is_the_same_report(built, monk
     assert "modbench study run rr.toml" in reproduce and "--from-data reports/rr" in reproduce
 
 
+def test_a_re_render_from_elsewhere_writes_no_machine_path(built, tmp_path, monkeypatch):
+    """The folders given by absolute paths outside the working directory: the Reproduce block names
+    them by their last component, as every command a report prints (a report travels)."""
+    monkeypatch.chdir(built)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(built / "reports" / "rr", elsewhere / "rr")
+    out = tmp_path / "out"
+    assert main(["report", "rr.toml", "--from-data", str(elsewhere / "rr"), "--reports-dir", str(out), "--quiet"]) == 0
+    text = (out / "rr" / "report.md").read_text()
+    assert str(tmp_path) not in text
+    assert "modbench report rr.toml --from-data rr --reports-dir out" in text.split("## Reproduce")[1]
+
+
 def test_the_saved_data_holds_the_study_file_and_no_secret_or_machine_path(built):
     data = built / "reports" / "rr" / "data"
     assert (data / "study.toml").read_text() == STUDY

@@ -193,6 +193,9 @@ def test_a_study_cut_short_resumes_from_its_archive_elsewhere_and_imports_for_th
     assert report.returncode == 0, report.stdout + report.stderr
     text = (here / "reports" / "slot_dry" / "report.md").read_text()
     assert "## Claims" in text and "## Environment" in text
+    # where it ran: the two calls, the second's workers chosen by its probe
+    assert "It ran in 2 slot calls (`modbench study slot`, the lent-GPU path): test; cpu, 8 min bound" in text
+    assert f"{probe['chosen']} worker" in text and "chosen by a probe on the heaviest arm, trials/min by workers: 1: " in text
 
 
 # --- --workers auto -------------------------------------------------------------------------------

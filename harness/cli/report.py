@@ -47,6 +47,7 @@ def _rerender(args) -> int:
     from modbench.errors import ModbenchError
     from modbench.report.build import rerender_report
     from modbench.track.checkpoint import check_writable
+    from modbench.track.store import default_tracking_uri
 
     folder = Path(args.from_data)
     if not (folder / "trials.csv").is_file():
@@ -54,8 +55,9 @@ def _rerender(args) -> int:
                             "that `modbench report` wrote, such as reports/<study>")
     study_words = [args.study_file, "--from-data", args.from_data, *_reports_dir_words(args.reports_dir)]
     check_writable(Path(args.reports_dir), "--reports-dir")
-    path = rerender_report(args.study_file, folder, reports_dir=args.reports_dir, tuning=_tuning_table,
-                           command="modbench report " + " ".join(study_words))
+    # as the Reproduce block writes any command: no machine path (a report travels), relative where it can be
+    command = study_command(["report", *study_words], tracking_uri=default_tracking_uri(), storage=None, travels=True)
+    path = rerender_report(args.study_file, folder, reports_dir=args.reports_dir, tuning=_tuning_table, command=command)
     print(json.dumps({"report": str(path)}) if args.quiet or args.json else f"report written to {path}")
     return 0
 

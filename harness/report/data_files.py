@@ -32,12 +32,13 @@ from modbench.design.study_file import StudySpec
 from modbench.errors import ModbenchError, redact
 from modbench.report.collect import FINAL_METRICS, ReportData, label_done
 from modbench.report.measure import Measurements, RoutingData
+from modbench.track.optuna_store import SLOT_ATTR
 
 DATA = "data"
 STORE_JSON = "store.json"
 FORMAT = 1
 ENV_TAGS = ("device", "git_sha", "torch_version", "python_version", "dataset_sha256")  # what the Environment shows
-REPORT_ATTRS = ("preregistered", "preregistration_amendments", "protocol_amendments")  # the study attributes a report reads
+REPORT_ATTRS = ("preregistered", "preregistration_amendments", "protocol_amendments", SLOT_ATTR)  # what a report reads
 ROUTING_FRAMES = ("positions", "classes", "overlaps")
 NOT_SAVED = ("The routing analysis needs the trials' checkpoints and is not in this report's saved data "
              "(the report predates saving it): rebuild the study to measure it.")

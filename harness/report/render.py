@@ -260,9 +260,46 @@ def _duration(seconds: float | None) -> str:
 
 def compute_line(c: dict) -> str:
     flops = f"{c['train_flops']:.3g} training FLOPs" if c["train_flops"] else "training FLOPs not recorded"
-    return (f"The study ran {c['trials']} trials ({c['complete']} complete): {flops} (complete trials), "
+    line = (f"The study ran {c['trials']} trials ({c['complete']} complete): {flops} (complete trials), "
             f"{_duration(c['trial_s'])} of trial time summed over workers, {_duration(c['wall_s'])} of wall time "
             "(first trial start to last trial end, from the trials' timestamps).")
+    calls = c.get("slot_calls") or []
+    if calls:
+        line += (f" It ran in {len(calls)} slot call{'s' if len(calls) > 1 else ''} (`modbench study slot`, the "
+                 "lent-GPU path): " + "; ".join(_slot_call_text(call) for call in calls) + ".")
+    return line
+
+
+def _slot_call_text(call: dict) -> str:
+    """One slot call: its device, its bound and wall time, its workers and how they were chosen."""
+    parts = [str(call.get("device", "device not recorded"))]
+    if call.get("minutes") is not None:
+        wall = f", {call['wall_s'] / 60:.1f} min used" if call.get("wall_s") is not None else ""
+        parts.append(f"{call['minutes']:g} min bound{wall}")
+    if call.get("workers") is not None:
+        parts.append(f"{call['workers']} worker{'s' if call['workers'] != 1 else ''}{_probe_text(call.get('probe'))}")
+    return ", ".join(parts)
+
+
+def _probe_text(probe: dict | None) -> str:
+    """How a call's worker count was chosen (``modbench study slot --workers auto``), if it was."""
+    if not probe:
+        return ""
+    if probe.get("reused"):
+        return " (an earlier call's probe on this device)"
+    if probe.get("skipped") or probe.get("failed"):
+        return f" (the probe {'had no time' if probe.get('skipped') else 'failed'}: the fallback count)"
+    rows = probe.get("settings", [])
+    rates = ", ".join(_probe_rate(r) for r in rows)
+    peaks = [r["peak_mem_gib"] for r in rows if r.get("peak_mem_gib")]
+    peak = f"; at most {max(peaks):.1f} GiB reserved a worker" if peaks else ""
+    return f" (chosen by a probe on the heaviest arm, trials/min by workers: {rates}{peak})"
+
+
+def _probe_rate(row: dict) -> str:
+    asked = f" for {row['asked']}" if row.get("asked") else ""
+    status = "" if row.get("status") == "ok" else f" ({row.get('status')})"
+    return f"{row['workers']}{asked}: {row['trials_per_min']:.2f}{status}"
 
 
 def _claim_table(claims) -> str:

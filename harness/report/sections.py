@@ -44,6 +44,7 @@ from modbench.report.isoflop import MIN_SIZES, best_lr_points, dense_reference, 
 from modbench.report.measure import Measurements
 from modbench.report.stats import compare_to_baseline, holm, pareto_front, summarize
 from modbench.report.stats_text import describe_comparison
+from modbench.track.optuna_store import SLOT_ATTR
 
 SUMMARY_VERSION = 4  # 3: decode_costs; 4: provenance, searches, like_for_like, decision, versus_dense
 ALPHA = 0.05
@@ -249,12 +250,13 @@ def degenerate(done: pd.DataFrame, study) -> dict[str, str]:
     return dict(claims_module.degenerate_arms(done, study))
 
 
-def compute_summary(trials: pd.DataFrame) -> dict[str, float | int | None]:
+def compute_summary(trials: pd.DataFrame, slot_calls: list[dict] | None = None) -> dict:
     """Trials, training FLOPs of the finished ones, worker time (sum of trial durations) and wall
-    time (first start to last finish), from Optuna's timestamps."""
-    out: dict[str, float | int | None] = {"trials": int(len(trials)),
-                                           "complete": int((trials["state"] == "COMPLETE").sum()) if len(trials) else 0,
-                                           "train_flops": None, "trial_s": None, "wall_s": None}
+    time (first start to last finish), from Optuna's timestamps; for a study that ran on lent GPUs,
+    its slot calls (``modbench.study.slot.call_summary``: device, minutes, workers, the probe)."""
+    out: dict = {"trials": int(len(trials)),
+                 "complete": int((trials["state"] == "COMPLETE").sum()) if len(trials) else 0,
+                 "train_flops": None, "trial_s": None, "wall_s": None, "slot_calls": list(slot_calls or [])}
     if "perf/total_flops" in trials:
         flops = pd.to_numeric(trials.loc[trials["state"] == "COMPLETE", "perf/total_flops"], errors="coerce")
         out["train_flops"] = float(flops.sum()) if flops.notna().any() else None
@@ -370,7 +372,7 @@ def claims_data(data: ReportData, measured: Measurements, tuning: pd.DataFrame) 
     return ClaimsData(
         arms=arms, baselines=base, tuning=tuning, claims=claims, effects=effects, causal_tables=tables,
         compared=compared, flagged=degenerate(compared, data.study), ties=tie_records(claims, effects, arms, data.study),
-        registration=preregistration(data.attrs), costs=measured.decode_costs, compute=compute_summary(data.trials),
+        registration=preregistration(data.attrs), costs=measured.decode_costs, compute=compute_summary(data.trials, (data.attrs.get(SLOT_ATTR) or {}).get("calls", [])),
         per_seed=seed_differences(compared, effects) if len(effects) else pd.DataFrame(),
         topk_c2=topk_beside_causal(compared, effects), cost_pairs=cost_pairs(arms, effects),
         isoflop=isoflop_data(data, effects), curves_reference=c1_reference(effects, done),

@@ -68,7 +68,6 @@ MANIFEST = "manifest.json"
 STORE = "optuna.db"
 RUNS = "runs"  # the offline run folders (modbench.track.offline)
 STUDY_FILE = "study.toml"
-SLOT_ATTR = "slot_archive"  # Optuna study user attr of an imported study: its manifest's summary
 CHECKPOINT_ARTIFACT = "checkpoint/checkpoint.pt"
 LEFT_OUT_TAG = "modbench.checkpoint_left_out"  # on an imported run whose checkpoint stayed on the slot
 WEIGHT_KEYS = ("model", "config", "step", "run_id", "history")  # what report and generate read of a checkpoint
@@ -204,8 +203,8 @@ def choose_workers(study, folder: Path, settings: SlotSettings, deadline: float,
         reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:200]
         log(f"slot: the probe failed ({reason}); 1 worker")
         return 1, {"failed": reason, "candidates": list(args.workers), "chosen": 1}
-    rows = [{k: s[k] for k in ("workers", "trials", "trials_per_min", "median_trial_s", "speedup", "peak_mem_gib",
-                                "status", "reasons")} for s in data["settings"]]
+    rows = [{k: s.get(k) for k in ("workers", "trials", "trials_per_min", "median_trial_s", "speedup", "peak_mem_gib",
+                                    "status", "reasons", "asked")} for s in data["settings"]]
     chosen = best_worker_count(rows)
     log("slot: probe " + "; ".join(f"N {r['workers']}: {r['trials_per_min']:.2f} trials/min ({r['status']})"
                                    for r in rows) + f" -> {chosen or 1} workers")
@@ -507,7 +506,7 @@ def import_archive(archive: Path, *, tracking_uri: str, out_dir: Path, progress:
 def _refuse_foreign_study(name: str, url: str) -> None:
     import optuna
 
-    from modbench.track.optuna_store import connect_storage
+    from modbench.track.optuna_store import SLOT_ATTR, connect_storage
 
     rdb = connect_storage(url)
     try:
@@ -539,12 +538,30 @@ def _tag_left_out(runs: Path, left_out: list[str]) -> None:
                 (run / "run.json").write_text(json.dumps(meta))
 
 
+CALL_KEYS = ("started", "wall_s", "minutes", "workers", "device", "torch", "git_sha", "trials")
+PROBE_ROW_KEYS = ("workers", "trials_per_min", "peak_mem_gib", "status")
+
+
+def call_summary(call: dict[str, Any]) -> dict[str, Any]:
+    """What the imported study keeps of one slot call (its manifest entry), for the report's compute
+    line: where, how long, how many workers and how the probe chose them; not the workers' exit codes
+    or the probe's failure reasons, whose text may hold the lent machine's paths."""
+    out = {k: call[k] for k in CALL_KEYS if k in call}
+    probe = call.get("probe")
+    if probe:
+        out["probe"] = {"chosen": probe.get("chosen"), "reused": "reused" in probe, "skipped": "skipped" in probe,
+                        "failed": "failed" in probe,
+                        "settings": [{**{k: r.get(k) for k in PROBE_ROW_KEYS},
+                                      "asked": (r.get("asked") or {}).get("workers")} for r in probe.get("settings", [])]}
+    return out
+
+
 def _copy_study(source, target, name: str, mapping: dict[str, str], manifest: dict[str, Any]) -> int:
     """``optuna.copy_study`` with each trial's run id rewritten to its imported MLflow run."""
     import optuna
     from optuna.trial import TrialState
 
-    from modbench.track.optuna_store import PARENT_ATTR
+    from modbench.track.optuna_store import PARENT_ATTR, SLOT_ATTR
 
     src = optuna.load_study(study_name=name, storage=source)
     try:
@@ -555,7 +572,8 @@ def _copy_study(source, target, name: str, mapping: dict[str, str], manifest: di
     dst = optuna.create_study(study_name=name, storage=target, **kwargs)
     for key, value in src.user_attrs.items():
         dst.set_user_attr(key, mapping.get(value, value) if key == PARENT_ATTR else value)
-    dst.set_user_attr(SLOT_ATTR, {"calls": manifest["calls"], "study_file_sha256": manifest["study_file_sha256"]})
+    dst.set_user_attr(SLOT_ATTR, {"calls": [call_summary(c) for c in manifest["calls"]],
+                                  "study_file_sha256": manifest["study_file_sha256"]})
     copies = []
     for t in src.get_trials(deepcopy=False):
         c = copy.deepcopy(t)

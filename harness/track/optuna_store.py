@@ -26,6 +26,7 @@ class Named(Protocol):
 
 
 PARENT_ATTR = "mlflow_parent_run_id"  # the study's MLflow parent run; set once the study is fully created
+SLOT_ATTR = "slot_archive"  # a study imported from lent-GPU slots (modbench.study.slot): where and how its calls ran
 
 
 def parent_run_id(name: str, storage: str) -> str | None:
