@@ -14,10 +14,11 @@ back is a handful of files. ``modbench study slot STUDY`` runs a study there:
    heaviest arm (the most training FLOPs a token: its trials set the pace and its memory is the
    workers' peak) at a third of that arm's budget, one trial a worker, within a third of the slot at
    most (a count whose workers would not fit in the GPU's memory by the peak measured before becomes
-   the most that fit: ``workers_probe.fitting_workers``); the study then runs with the fewest workers within 5 % of the highest trials/minute (fewer
-   trials in flight lose less to the deadline and hold less memory), or with one worker when no
-   setting ended cleanly (an out-of-memory at N = 8 fails that setting, not the study). A later call
-   on the same kind of device reuses the choice its manifest records. Why in the call: a lent
+   the most that fit: ``workers_probe.fitting_workers``); the study then runs with the fewest
+   workers within 5 % of the highest trials/minute (fewer trials in flight lose less to the deadline
+   and hold less memory), or with one worker when no setting ended cleanly (an out-of-memory fails
+   that setting, not the study). A later call on a device of the same name reuses the choice its
+   manifest records. Why in the call: a lent
    machine stays warm for 30 s after a command, so a probe in a call of its own would cost a second
    start or a decision made in half a minute.
 3. **Deadline.** ``--minutes M`` bounds the whole command. Workers start no trial that the longest
