@@ -190,10 +190,12 @@ clean:
 # process → $(or $(OUT),reports/bench)/decode-static-<gpu>.md and .json (modbench.bench.gpu_decode; --dry-run is its
 # CPU check, tests/bench/test_gpu_decode.py). STEPS=dynamic,static-cond,graph,graph-split,reference-graph skips the
 # compiled cells (each compiles the whole 12-layer step, or its four parts).
+# DECODE_TESTS="cuda and not compile" runs the tests of the uncompiled steps alone (with STEPS that skip the compiles).
+DECODE_TESTS ?= cuda
 .PHONY: gpu-decode-bench
 gpu-decode-bench: gpu-pkg
 	mkdir -p $(or $(OUT),reports/bench)
-	-$(GPU_RUN) -m pytest -q -p no:cacheprovider tests/test_static_decode.py tests/test_cuda_graphs.py -k cuda \
+	-$(GPU_RUN) -m pytest -q -p no:cacheprovider tests/test_static_decode.py tests/test_cuda_graphs.py -k "$(DECODE_TESTS)" \
 	  > $(or $(OUT),reports/bench)/decode-cuda-tests.txt 2>&1; tail -n 3 $(or $(OUT),reports/bench)/decode-cuda-tests.txt
 	$(GPU_RUN) -m modbench.bench.gpu_decode --out $(or $(OUT),reports/bench) $(if $(STEPS),--steps $(STEPS))
 
