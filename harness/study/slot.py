@@ -145,7 +145,7 @@ def run_slot(study_file: str, *, settings: SlotSettings, archive: Path, out_dir:
     machine = _machine()
     workers, probe = (settings.workers, None) if settings.workers != AUTO else \
         choose_workers(study, folder, settings, deadline, machine["device"], archive.parent, log)
-    log(f"slot: study {study.name}, {workers} workers, trials start until "
+    log(f"slot: study {study.name}, {_workers_text(workers)}, trials start until "
         f"{(deadline - start) / 60:.1f} min; stop and archive by {settings.minutes:g} min")
     code = _run_workers(study, folder, workers, deadline, settings.reserve_s, log)
     counts = trial_counts(study.name, folder / STORE)
@@ -185,12 +185,12 @@ def choose_workers(study, folder: Path, settings: SlotSettings, deadline: float,
     """``--workers auto``: (the worker count, what the manifest records of how it was chosen)."""
     earlier = earlier_choice(folder, device, settings.probe_workers)
     if earlier is not None:
-        log(f"slot: {earlier['workers']} workers, as the probe of {earlier['from']} chose on this device")
+        log(f"slot: {_workers_text(earlier['workers'])}, as the probe of {earlier['from']} chose on this device")
         return earlier["workers"], {"reused": earlier["from"], "chosen": earlier["workers"]}
     setting_s = min(PROBE_SETTING_S, (deadline - time.time()) * PROBE_SHARE / len(settings.probe_workers))
     if setting_s < 20:  # too short a slot to measure: the smallest candidate, untested
         fallback = min(settings.probe_workers)
-        log(f"slot: no time to probe ({setting_s:.0f} s a setting); {fallback} workers")
+        log(f"slot: no time to probe ({setting_s:.0f} s a setting); {_workers_text(fallback)}")
         return fallback, {"skipped": "no time", "candidates": list(settings.probe_workers), "chosen": fallback}
     args = auto_probe_args(study, settings.probe_workers, setting_s, out)
     log(f"slot: probing {', '.join(map(str, args.workers))} workers on {args.arms[0]!r} at {args.budget} "
@@ -208,9 +208,13 @@ def choose_workers(study, folder: Path, settings: SlotSettings, deadline: float,
                                     "status", "reasons", "asked")} for s in data["settings"]]
     chosen = best_worker_count(rows)
     log("slot: probe " + "; ".join(f"N {r['workers']}: {r['trials_per_min']:.2f} trials/min ({r['status']})"
-                                   for r in rows) + f" -> {chosen or 1} workers")
+                                   for r in rows) + f" -> {_workers_text(chosen or 1)}")
     return chosen or 1, {"arm": args.arms[0], "budget": args.budget, "seconds": round(time.time() - t0, 1),
                          "candidates": list(args.workers), "settings": rows, "chosen": chosen or 1}
+
+
+def _workers_text(n: int) -> str:
+    return f"{n} worker{'' if n == 1 else 's'}"
 
 
 def best_worker_count(rows: list[dict[str, Any]]) -> int | None:
