@@ -58,9 +58,9 @@ setting is not a candidate. So that an N too large for the GPU's memory costs no
 after a clean CUDA setting is checked first (``fitting_workers``): if N workers, each holding the
 highest peak a clean setting's worker reserved plus 0.75 GiB for its CUDA context, would pass 90 % of
 the device's memory, the probe runs the most that fit instead (the table says "7 (for 8)" and why),
-or skips N when that count was measured already. "incomplete" means ``--timeout-s`` ended it; its numbers cover the
-trials finished by then. The probe's trials are untracked (no MLflow process per trial), so a
-real study's trials/min is a little lower. With compile on, every setting gets its own empty
+or skips N when that count was measured already. "incomplete" means ``--timeout-s`` ended it; its
+numbers cover the trials finished by then. The probe's trials are untracked (no MLflow process per
+trial), so a real study's trials/min is a little lower. With compile on, every setting gets its own empty
 inductor/triton cache (under the out dir), so each setting pays the same cold compilation per
 worker and the settings compare with each other; a long study with a warm cache pays less.
 
