@@ -22,10 +22,11 @@ dispatched under two counters:
 Forward and backward are counted at ``--batch`` and half of it and extrapolated to the study's batch:
 their cost is affine in the batch (the activations' traffic grows with it, the weights' casts and
 gradients do not; tests/test_step_traffic.py checks the extrapolation against a direct count);
-clipping and the optimizer do not depend on the batch and are counted once. The floor of the step on a device is FLOPs / peak + bytes / bandwidth
-(each op bound by one or the other, run one after another), at the device's datasheet numbers
-(defaults: an H100 SXM's dense bf16 989 TFLOP/s and 3.35 TB/s): a lower bound on the time the GPU is
-busy. Against a measured step time it says how much of the step the GPU could be idle at most.
+clipping and the optimizer do not depend on the batch and are counted once.
+
+The floor of the step on a device is FLOPs / peak + bytes / bandwidth (each op bound by one or the
+other, run one after another), at the device's datasheet numbers (defaults: an H100 SXM's dense bf16
+989 TFLOP/s and 3.35 TB/s): a lower bound on the time the GPU is busy. Against a measured step time it says how much of the step the GPU could be idle at most.
 
 Why hand-written: no library counts an eager step's memory traffic per op (torch.profiler reports
 no DRAM bytes on a CPU; on a GPU that is Nsight Compute's job, one kernel at a time). The CPU's
@@ -43,6 +44,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
 
 class ByteCounter(TorchDispatchMode):
     """Bytes of the tensor inputs and outputs of every op that has no FLOP formula and is not a view."""
@@ -76,11 +78,10 @@ class Count:
     bytes: collections.Counter = field(default_factory=collections.Counter)
     ops: int = 0
 
-    def add(self, other: "Count", scale: float = 1.0) -> None:
-        self.flops += other.flops * scale
+    def add(self, other: "Count") -> None:
+        self.flops += other.flops
         self.ops += other.ops
-        for name, b in other.bytes.items():
-            self.bytes[name] += b * scale
+        self.bytes.update(other.bytes)  # Counter.update adds
 
     @staticmethod
     def affine(small: "Count", b1: int, large: "Count", b2: int, target: int) -> "Count":

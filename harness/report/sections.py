@@ -372,7 +372,8 @@ def claims_data(data: ReportData, measured: Measurements, tuning: pd.DataFrame) 
     return ClaimsData(
         arms=arms, baselines=base, tuning=tuning, claims=claims, effects=effects, causal_tables=tables,
         compared=compared, flagged=degenerate(compared, data.study), ties=tie_records(claims, effects, arms, data.study),
-        registration=preregistration(data.attrs), costs=measured.decode_costs, compute=compute_summary(data.trials, (data.attrs.get(SLOT_ATTR) or {}).get("calls", [])),
+        registration=preregistration(data.attrs), costs=measured.decode_costs,
+        compute=compute_summary(data.trials, (data.attrs.get(SLOT_ATTR) or {}).get("calls", [])),
         per_seed=seed_differences(compared, effects) if len(effects) else pd.DataFrame(),
         topk_c2=topk_beside_causal(compared, effects), cost_pairs=cost_pairs(arms, effects),
         isoflop=isoflop_data(data, effects), curves_reference=c1_reference(effects, done),
