@@ -283,6 +283,24 @@ def test_each_slot_worker_gets_its_share_of_the_cores_as_the_probe_measured(tmp_
     assert [e["OMP_NUM_THREADS"] for e in started] == ["5", "5"]
 
 
+def test_the_slot_reads_the_gpus_name_in_a_child_so_its_own_process_holds_no_cuda_context(monkeypatch):
+    import torch
+
+    def in_process(*args):  # what initialises CUDA in the slot's process
+        raise AssertionError("the slot's own process read the GPU")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", in_process)
+    # The child is a real process; it prints a name as the real code's torch.cuda.get_device_name(0) does.
+    monkeypatch.setattr(slot, "DEVICE_NAME_CODE", "import os; print('NVIDIA H100 80GB HBM3', os.getpid())")
+    name = slot._machine()["device"]
+    assert name.startswith("NVIDIA H100 80GB HBM3 ") and int(name.split()[-1]) != os.getpid()
+    # A child that cannot read it: this process does, and the slot still has a name to record.
+    monkeypatch.setattr(slot, "DEVICE_NAME_CODE", "raise SystemExit(3)")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "read in the slot's process")
+    assert slot._machine()["device"] == "read in the slot's process"
+
+
 # --- refusals: one line, exit 2, nothing created or lost -----------------------------------------
 def test_bad_slot_and_import_input_is_one_line_and_creates_nothing(tmp_path):
     out = tmp_path / "out"

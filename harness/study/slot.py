@@ -326,8 +326,29 @@ def _machine() -> dict[str, str]:
 
     from modbench.track.provenance import git_sha
 
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    device = _cuda_device_name() if torch.cuda.is_available() else "cpu"
     return {"device": device, "torch": str(torch.__version__), "python": platform.python_version(), "git_sha": git_sha()}
+
+
+# Read in a child process that exits at once, so the slot's own process does not initialise CUDA while its
+# workers share the GPU: torch.cuda.get_device_name initialises CUDA in its caller, and a CUDA context
+# holds ~0.5 GiB of device memory until the process ends. The probe's memory fit counts only the workers.
+DEVICE_NAME_CODE = "import torch; print(torch.cuda.get_device_name(0))"
+
+
+def _cuda_device_name() -> str:
+    """The GPU's name, as torch reports it, read without touching CUDA in this process (where the child
+    cannot read it, this process does: the slot then runs, holding a context)."""
+    try:
+        done = subprocess.run([sys.executable, "-c", DEVICE_NAME_CODE], capture_output=True, text=True, timeout=120)
+        lines = done.stdout.strip().splitlines()
+        if done.returncode == 0 and lines:
+            return lines[-1]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    import torch
+
+    return torch.cuda.get_device_name(0)
 
 
 def _iso(t: float) -> str:
