@@ -337,10 +337,10 @@ DEVICE_NAME_CODE = "import torch; print(torch.cuda.get_device_name(0))"
 
 
 def _cuda_device_name() -> str:
-    """The GPU's name, as torch reports it, read without touching CUDA in this process (where the child
-    cannot read it, this process does: the slot then runs, holding a context)."""
+    """The GPU's name, as torch reports it, read without touching CUDA in this process. Where the child
+    cannot read it, this process does, so the slot still runs (perhaps holding a context)."""
     try:
-        done = subprocess.run([sys.executable, "-c", DEVICE_NAME_CODE], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([sys.executable, "-c", DEVICE_NAME_CODE], capture_output=True, text=True, timeout=60)
         lines = done.stdout.strip().splitlines()
         if done.returncode == 0 and lines:
             return lines[-1]
