@@ -18,9 +18,8 @@ back is a handful of files. ``modbench study slot STUDY`` runs a study there:
    workers within 5 % of the highest trials/minute (fewer trials in flight lose less to the deadline
    and hold less memory), or with one worker when no setting ended cleanly (an out-of-memory fails
    that setting, not the study). A later call on a device of the same name reuses the choice its
-   manifest records. Why in the call: a lent
-   machine stays warm for 30 s after a command, so a probe in a call of its own would cost a second
-   start or a decision made in half a minute.
+   manifest records. Why in the call: a lent machine stays warm for 30 s after a command, so a probe
+   in a call of its own would cost a second start or a decision made in half a minute.
 3. **Deadline.** ``--minutes M`` bounds the whole command. Workers start no trial that the longest
    finished trial says would end after ``M`` minutes less the archive's reserve; a trial still
    running at that point is stopped the way Ctrl-C stops one (``modbench.interrupts``: its
@@ -206,11 +205,11 @@ def choose_workers(study, folder: Path, settings: SlotSettings, deadline: float,
         return 1, {"failed": reason, "candidates": list(args.workers), "chosen": 1}
     rows = [{k: s.get(k) for k in ("workers", "trials", "trials_per_min", "median_trial_s", "speedup", "peak_mem_gib",
                                     "status", "reasons", "asked")} for s in data["settings"]]
-    chosen = best_worker_count(rows)
+    chosen = best_worker_count(rows) or 1  # none clean: the one worker that shares nothing
     log("slot: probe " + "; ".join(f"N {r['workers']}: {r['trials_per_min']:.2f} trials/min ({r['status']})"
-                                   for r in rows) + f" -> {_workers_text(chosen or 1)}")
-    return chosen or 1, {"arm": args.arms[0], "budget": args.budget, "seconds": round(time.time() - t0, 1),
-                         "candidates": list(args.workers), "settings": rows, "chosen": chosen or 1}
+                                   for r in rows) + f" -> {_workers_text(chosen)}")
+    return chosen, {"arm": args.arms[0], "budget": args.budget, "seconds": round(time.time() - t0, 1),
+                    "candidates": list(args.workers), "settings": rows, "chosen": chosen}
 
 
 def _workers_text(n: int) -> str:
